@@ -1,0 +1,64 @@
+"""Fixtures shared by tests/ and every stage's test_stage.py.
+
+The `tiny` model (random weights, SmolLM2's real tokenizer) keeps the suite fast on a
+2-core CPU; `hf_greedy` is the reference every stage is checked against: Hugging Face
+transformers' `generate`, run one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+STAGE_DIRS = sorted(p.name for p in (Path(__file__).parent / "stages").glob("s0*_*") if (p / "__init__.py").exists())
+
+
+def stage_module(name: str):
+    return importlib.import_module(f"stages.{name}")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from common.loader import load_model
+
+    return load_model("tiny", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32).eval()
+
+
+def run_hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids) -> list[int]:
+    """transformers' greedy `generate` on one prompt (no padding), stopping at EOS."""
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=list(eos_token_ids), pad_token_id=list(eos_token_ids)[0],
+            temperature=None, top_p=None, top_k=None,
+        )
+    gen = out[0, len(prompt_ids):].tolist()
+    for i, t in enumerate(gen):  # generate pads finished rows; cut at the first EOS (kept, as we do)
+        if t in eos_token_ids:
+            return gen[: i + 1]
+    return gen
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny, hf_tiny):
+    """Memoised reference: hf_greedy(prompt_ids, max_new_tokens) -> token ids."""
+    memo: dict[tuple, list[int]] = {}
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in memo:
+            memo[key] = run_hf_greedy(hf_tiny, list(prompt_ids), max_new_tokens, tiny.config.eos_token_ids)
+        return memo[key]
+
+    return run

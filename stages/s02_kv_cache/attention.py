@@ -1,0 +1,49 @@
+"""Attention for stage 02: append this step's K/V to a contiguous cache, then attend over the cache.
+
+The prefill writes the whole (left-padded) prompt at columns [0, T); each decode step
+writes one column and attends over every column so far. The mask hides left padding
+and the columns of rows that already finished.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import ContiguousKVCache
+
+
+def causal_padding_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask from a padding mask.
+
+    valid: [B, T] True where the token is real (False = left padding).
+    Returns [B, 1, T, T]: query t may attend key s when s <= t and s is real. A padding
+    query may attend itself, so that no row of the softmax is empty (its output is ignored).
+    """
+    T = valid.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()  # [T, T]
+    mask = causal[None, :, :] & valid[:, None, :]  # [B, T, T]
+    mask |= torch.eye(T, dtype=torch.bool, device=valid.device)[None]
+    return mask[:, None, :, :]
+
+
+class CachedAttention:
+    """Writes K/V at columns [start, start + T) of the cache and attends over [0, start + T)."""
+
+    def __init__(self, cache: ContiguousKVCache, start: int, mask: torch.Tensor) -> None:
+        self.cache = cache
+        self.start = start
+        self.mask = mask  # [B, 1, T, start + T] bool
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]
+        self.cache.write(layer_idx, self.start, k, v)
+        end = self.start + q.shape[1]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            self.cache.k[layer_idx][:, :, :end],
+            self.cache.v[layer_idx][:, :, :end],
+            attn_mask=self.mask,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )  # [B, Hq, T, D]
+        return out.transpose(1, 2)  # [B, T, Hq, D]

@@ -1,0 +1,26 @@
+"""Stage 03 — paged attention: KV lives in fixed-size blocks from one shared pool, found through block tables.
+
+Stage 02 reserved a contiguous `[B, longest + max_new]` cache per batch, so short rows paid
+for the longest one. Here each request is an `InferenceSession` owning a block table into a
+shared `KVBlockPool`; it takes a block only when its last one is full, and decode reads a
+batch of different-length sessions packed end to end, with no padding. Still static batching.
+Touches engine.py, attention.py and kv_cache.py.
+"""
+
+from .engine import InferenceEngine, InferenceSession
+from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks
+
+# Files that differ from the previous stage.
+CHANGES: list[str] = ["__init__.py", "engine.py", "attention.py", "kv_cache.py"]
+
+# Default workload of this stage's benchmark (flags override): small enough for a laptop CPU.
+BENCH: dict = {
+    "mode": "offline",
+    "num_requests": 8,
+    "max_new_tokens": 16,
+    "prompt_len_range": (16, 64),
+    "max_batch_size": 8,
+    "no_stop_on_eos": True,
+}
+
+__all__ = ["InferenceEngine", "InferenceSession", "BlockAllocator", "KVBlockPool", "OutOfKVBlocks"]
