@@ -11,7 +11,7 @@ from .engine import InferenceEngine, InferenceSession
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks
 
 # Files that differ from the previous stage.
-CHANGES: list[str] = ["__init__.py", "engine.py", "attention.py", "kv_cache.py"]
+CHANGES: list[str] = ["__init__.py", "engine.py", "attention.py", "kv_cache.py", "test_stage.py"]
 
 # Default workload of this stage's benchmark (flags override): small enough for a laptop CPU.
 BENCH: dict = {

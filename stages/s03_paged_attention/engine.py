@@ -19,7 +19,7 @@ from common.requests import Completion, PreparedPrompt, Request, SamplingParams,
 from common.sampling import make_generator, sample_tokens
 
 from .attention import DecodeAttention, PrefillAttention
-from .kv_cache import KVBlockPool
+from .kv_cache import KVBlockPool, OutOfKVBlocks
 
 
 @dataclass
@@ -134,11 +134,10 @@ class InferenceEngine:
             # Admit the next sessions while the pool can hold their worst case: none can run out later.
             batch: list[InferenceSession] = []
             while start < len(sessions) and len(batch) < self.max_batch_size:
-                need = sessions[start].worst_case_blocks(self.max_model_len)
-                if need > self.pool.allocator.num_available and batch:
-                    break  # the rest waits for the next batch
-                self.pool.allocator.reserve(need)
-                sessions[start].reserved = need
+                try:
+                    self.reserve(sessions[start])
+                except OutOfKVBlocks:
+                    break  # the rest waits for the next batch (an empty pool always fits one: see new_session)
                 batch.append(sessions[start])
                 start += 1
             scheduled = time.perf_counter()
@@ -158,13 +157,18 @@ class InferenceEngine:
                              f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")
         return session
 
+    def reserve(self, session: InferenceSession) -> None:
+        """Book the session's worst case in the pool (raises OutOfKVBlocks if it does not fit now)."""
+        need = session.worst_case_blocks(self.max_model_len)
+        self.pool.allocator.reserve(need)
+        session.reserved = need
+
     def _run_batch(self, sessions: list[InferenceSession]) -> None:
         """Prefill each prompt into its blocks, then decode the live sessions one token per step."""
         logits = torch.cat([self.prefill(s) for s in sessions])  # [B, V]
         live = sessions
         while True:
             self.sample_and_record(live, logits)
-            self._peak_blocks = max(self._peak_blocks, self.pool.allocator.num_blocks - self.pool.allocator.num_free)
             for s in live:
                 if s.finished:
                     s.release_kv_blocks()  # its memory is free at once (the batch still waits for the rest)
@@ -197,6 +201,7 @@ class InferenceEngine:
         """Sample one token for every session (all live), record it, and decide who is done. logits: [B, V]."""
         tokens = sample_tokens(logits, [s.params for s in sessions], [s.generator for s in sessions])
         now = time.perf_counter()
+        self._peak_blocks = max(self._peak_blocks, self.pool.allocator.num_blocks - self.pool.allocator.num_free)
         for s, tok in zip(sessions, tokens):
             s.generated.append(tok)
             s.timestamps.append(now)
@@ -207,7 +212,9 @@ class InferenceEngine:
 
     def completion(self, session: InferenceSession) -> Completion:
         """The public result of a finished session."""
-        ts = session.timings | ({"first_token": session.timestamps[0], "finished": session.timestamps[-1]} if session.timestamps else {})
+        ts = dict(session.timings)
+        if session.timestamps:
+            ts.update(first_token=session.timestamps[0], finished=session.timestamps[-1])
         return Completion(
             prompt_token_ids=session.prompt_ids,
             token_ids=session.generated,

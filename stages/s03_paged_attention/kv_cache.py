@@ -52,6 +52,8 @@ class BlockAllocator:
 
     def allocate(self) -> int:
         """Take one booked block (the caller reserved it earlier)."""
+        if self.reserved <= 0:  # an allocation nobody booked would eat someone else's reservation
+            raise RuntimeError("KV block allocated without a reservation: the worst-case accounting is wrong")
         block = self._free.popleft()
         self.reserved -= 1
         self.ref_counts[block] = 1

@@ -1,0 +1,213 @@
+"""InferenceEngine for stage 04: continuous batching on top of paged sessions.
+
+The engine keeps its building blocks from stage 03 — sessions, prefill, one batched decode
+step — and `generate` now drives them through an `OnlineScheduler`: a request is prefilled
+as soon as there is a free decode slot and room in the KV pool, and leaves the batch the
+step it finishes. Stage 03's batch loop, where finished rows waited, is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from common.loader import LoadedModel
+from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
+from common.sampling import make_generator, sample_tokens
+
+from .attention import DecodeAttention, PrefillAttention
+from .kv_cache import KVBlockPool, OutOfKVBlocks
+
+
+@dataclass
+class InferenceSession:
+    """One request's decoding state. It owns its KV blocks through `block_table`."""
+
+    request: Request
+    prompt_ids: list[int]
+    truncated: bool
+    generator: torch.Generator | None
+    pool: KVBlockPool
+    generated: list[int] = field(default_factory=list)
+    timestamps: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the blocks
+    reserved: int = 0  # blocks booked for this session but not taken yet
+    timings: dict[str, float] = field(default_factory=dict)  # submitted, scheduled (perf_counter)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def worst_case_blocks(self, max_model_len: int) -> int:
+        """Blocks this session needs if it runs to max_new_tokens (or the context window)."""
+        tokens = min(len(self.prompt_ids) + self.params.max_new_tokens, max_model_len)
+        return -(-tokens // self.pool.block_size)
+
+    def take_slots(self, n: int) -> torch.Tensor:
+        """Slots for the next n tokens, taking new blocks from the pool as the last one fills."""
+        bs = self.pool.block_size
+        while len(self.block_table) * bs < self.num_cached + n:
+            self.block_table.append(self.pool.allocator.allocate())
+            self.reserved -= 1
+        pos = torch.arange(self.num_cached, self.num_cached + n)
+        self.num_cached += n
+        return torch.tensor(self.block_table)[pos // bs] * bs + pos % bs  # [n]
+
+    def context_slots(self) -> torch.Tensor:
+        """Slots of every cached token, in order: the block table read out."""
+        bs = self.pool.block_size
+        table = torch.tensor(self.block_table)
+        return (table[:, None] * bs + torch.arange(bs)).flatten()[: self.num_cached]  # [num_cached]
+
+    def release_kv_blocks(self) -> None:
+        """Give every block (and any unused booking) back to the pool."""
+        for block in self.block_table:
+            self.pool.allocator.decref(block)
+        self.pool.allocator.unreserve(self.reserved)
+        self.block_table, self.reserved, self.num_cached = [], 0, 0
+
+
+class InferenceEngine:
+    """Generates completions for a list of requests, `max_batch_size` at a time, KV in paged blocks."""
+
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = 8, block_size: int = 16,
+                 kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None) -> None:
+        if int(max_batch_size) <= 0:
+            raise ValueError("max_batch_size must be positive")
+        if int(block_size) <= 0:
+            raise ValueError("block_size must be positive")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.max_batch_size = int(max_batch_size)
+        self.max_model_len = loaded.config.max_position_embeddings
+        self.eos_token_ids = loaded.config.eos_token_ids
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
+        self.pool = KVBlockPool(loaded.config, self._num_blocks(block_size, kv_cache_max_concurrency, num_kv_blocks),
+                                int(block_size), loaded.dtype, self.device)
+        self._peak_blocks = 0
+
+    def _num_blocks(self, block_size: int, concurrency: int | None, num_blocks: int | None) -> int:
+        """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob)."""
+        if num_blocks is not None and concurrency is not None:
+            raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
+        if num_blocks is not None:
+            if int(num_blocks) <= 0:
+                raise ValueError("num_kv_blocks must be positive")
+            return int(num_blocks)
+        concurrency = self.max_batch_size if concurrency is None else int(concurrency)
+        if concurrency <= 0:
+            raise ValueError("kv_cache_max_concurrency must be positive")
+        return concurrency * -(-self.max_model_len // int(block_size))
+
+    def kv_stats(self) -> dict:
+        """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""
+        return {
+            "peak_kv_bytes": self._peak_blocks * self.pool.bytes_per_block,
+            "pool_kv_bytes": self.pool.nbytes,
+            "block_size": self.pool.block_size,
+            "num_blocks": self.pool.allocator.num_blocks,
+            "peak_blocks_in_use": self._peak_blocks,
+        }
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run every request to completion with continuous batching; results in the order of `requests`."""
+        from .scheduler import OnlineScheduler  # the scheduler drives this engine, so it imports us
+
+        submitted = time.perf_counter()
+        # Validate and tokenize everything first: bad input fails before any work is done.
+        prepared = [prepare_prompt(r, self.tokenizer, self.max_model_len) for r in requests]
+        sessions = [self.new_session(r, p) for r, p in zip(requests, prepared)]
+        scheduler = OnlineScheduler(self, self.max_batch_size)
+        waiting = deque(range(len(sessions)))
+        index_of: dict[int, int] = {}
+        completions: list[Completion | None] = [None] * len(sessions)
+        while waiting or scheduler.has_unfinished():
+            # Admit while a decode slot and the request's KV blocks are free: it joins the next step.
+            while waiting and scheduler.num_unfinished < self.max_batch_size:
+                try:
+                    rid = scheduler.add_session(sessions[waiting[0]], submitted=submitted)
+                except OutOfKVBlocks:
+                    break  # waits until a running request finishes and frees blocks
+                index_of[rid] = waiting.popleft()
+            scheduler.step()
+            for rid in scheduler.pop_finished_ids():
+                completions[index_of[rid]] = scheduler.pop_completion(rid)
+        return completions  # type: ignore[return-value]
+
+    def new_session(self, request: Request, prompt: PreparedPrompt) -> InferenceSession:
+        """A session for a validated, tokenized request; fails if it could never fit in the pool."""
+        session = InferenceSession(request, prompt.token_ids, prompt.truncated,
+                                   make_generator(request.params, self.device), self.pool)
+        need = session.worst_case_blocks(self.max_model_len)
+        if need > self.pool.allocator.num_blocks:
+            raise ValueError(f"kv cache: a request needs {need} KV blocks but the pool has only "
+                             f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")
+        return session
+
+    def reserve(self, session: InferenceSession) -> None:
+        """Book the session's worst case in the pool (raises OutOfKVBlocks if it does not fit now)."""
+        need = session.worst_case_blocks(self.max_model_len)
+        self.pool.allocator.reserve(need)
+        session.reserved = need
+
+    def prefill(self, session: InferenceSession) -> torch.Tensor:
+        """Run one prompt, writing its K/V into its blocks; returns the last logits [1, V]."""
+        T = len(session.prompt_ids)
+        ids = torch.tensor([session.prompt_ids], dtype=torch.long, device=self.device)  # [1, T]
+        positions = torch.arange(T, device=self.device)[None]  # [1, T]
+        slots = session.take_slots(T).to(self.device)
+        last = torch.tensor([T - 1], device=self.device)
+        return self.model(ids, positions, PrefillAttention(self.pool, slots), logits_indices=last)
+
+    def decode_step_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
+        """One token for each session; returns logits [B, V]."""
+        ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        positions = torch.tensor([[s.num_cached] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        new_slots = torch.cat([s.take_slots(1) for s in sessions]).to(self.device)  # [B]
+        context = [s.context_slots() for s in sessions]
+        segments = torch.repeat_interleave(torch.arange(len(sessions)), torch.tensor([len(c) for c in context]))
+        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device))
+        first = torch.zeros(len(sessions), dtype=torch.long, device=self.device)
+        return self.model(ids, positions, attention, logits_indices=first)  # [B, V]
+
+    def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:
+        """Sample one token for every session (all live), record it, and decide who is done. logits: [B, V]."""
+        tokens = sample_tokens(logits, [s.params for s in sessions], [s.generator for s in sessions])
+        now = time.perf_counter()
+        self._peak_blocks = max(self._peak_blocks, self.pool.allocator.num_blocks - self.pool.allocator.num_free)
+        for s, tok in zip(sessions, tokens):
+            s.generated.append(tok)
+            s.timestamps.append(now)
+            s.finish_reason = finish_reason_for(
+                tok, len(s.generated), len(s.prompt_ids) + len(s.generated),
+                s.params, self.eos_token_ids, self.max_model_len,
+            )
+
+    def completion(self, session: InferenceSession) -> Completion:
+        """The public result of a finished session."""
+        ts = dict(session.timings)
+        if session.timestamps:
+            ts.update(first_token=session.timestamps[0], finished=session.timestamps[-1])
+        return Completion(
+            prompt_token_ids=session.prompt_ids,
+            token_ids=session.generated,
+            text=self.tokenizer.decode(session.generated, skip_special_tokens=True),
+            finish_reason=session.finish_reason or "length",
+            token_timestamps=session.timestamps,
+            truncated=session.truncated,
+            timings=ts,
+            prompt=session.request.prompt,
+        )

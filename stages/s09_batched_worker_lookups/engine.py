@@ -1,0 +1,288 @@
+"""InferenceEngine for stage 08: the prefix cache is keyed by token ids when a request has them.
+
+Stage 07 keyed the prefix cache (and the in-batch dedup) by the prompt string, so two requests
+with different text but the same `prompt_token_ids` — a pre-tokenized prompt with request
+metadata appended to its text, say — missed each other. `prefix_cache_key` now returns the
+tuple of the prompt's token ids, cut to the same last `max_position_embeddings` ids as the
+prefill; text-only requests keep the string key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from common.loader import LoadedModel
+from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
+from common.sampling import make_generator, sample_tokens
+
+from .attention import DecodeAttention, PrefillAttention
+from .kv_cache import KVBlockPool, OutOfKVBlocks
+from .prefix_cache import PrefixCache, PrefixCacheKey
+
+
+@dataclass
+class InferenceSession:
+    """One request's decoding state. It owns its KV blocks through `block_table`."""
+
+    request: Request
+    prompt_ids: list[int]
+    truncated: bool
+    generator: torch.Generator | None
+    pool: KVBlockPool
+    generated: list[int] = field(default_factory=list)
+    timestamps: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the blocks
+    reserved: int = 0  # blocks booked for this session but not taken yet
+    timings: dict[str, float] = field(default_factory=dict)  # submitted, scheduled (perf_counter)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def worst_case_blocks(self, max_model_len: int) -> int:
+        """Blocks this session needs if it runs to max_new_tokens (or the context window).
+
+        Plus one: its last prompt block may be shared (prefix cache, in-batch duplicate), and
+        then its first decode write takes a private copy of it (copy-on-write).
+        """
+        tokens = min(len(self.prompt_ids) + self.params.max_new_tokens, max_model_len)
+        return -(-tokens // self.pool.block_size) + 1
+
+    def take_slots(self, n: int) -> torch.Tensor:
+        """Slots for the next n tokens, taking new blocks from the pool as the last one fills."""
+        bs = self.pool.block_size
+        last = self.num_cached // bs
+        if self.num_cached % bs and self.pool.allocator.ref_counts[self.block_table[last]] > 1:
+            # Copy-on-write: the block we are about to write into is shared (prefix cache, or
+            # another session): take a private copy so that nobody else's tokens change.
+            private = self.pool.allocator.allocate()
+            self.reserved -= 1
+            self.pool.copy_block(self.block_table[last], private)
+            self.pool.allocator.decref(self.block_table[last])
+            self.block_table[last] = private
+        while len(self.block_table) * bs < self.num_cached + n:
+            self.block_table.append(self.pool.allocator.allocate())
+            self.reserved -= 1
+        pos = torch.arange(self.num_cached, self.num_cached + n)
+        self.num_cached += n
+        return torch.tensor(self.block_table)[pos // bs] * bs + pos % bs  # [n]
+
+    def attach_blocks(self, block_table: list[int], num_tokens: int) -> None:
+        """Start from blocks someone else filled (shared: one more reference each, read-only)."""
+        for block in block_table:
+            self.pool.allocator.incref(block)
+        self.block_table = list(block_table)
+        self.num_cached = num_tokens
+
+    def context_slots(self) -> torch.Tensor:
+        """Slots of every cached token, in order: the block table read out."""
+        bs = self.pool.block_size
+        table = torch.tensor(self.block_table)
+        return (table[:, None] * bs + torch.arange(bs)).flatten()[: self.num_cached]  # [num_cached]
+
+    def release_kv_blocks(self) -> None:
+        """Give every block (and any unused booking) back to the pool."""
+        for block in self.block_table:
+            self.pool.allocator.decref(block)
+        self.pool.allocator.unreserve(self.reserved)
+        self.block_table, self.reserved, self.num_cached = [], 0, 0
+
+
+class InferenceEngine:
+    """Generates completions for a list of requests, `max_batch_size` at a time, KV in paged blocks."""
+
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = 8, block_size: int = 16,
+                 kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None,
+                 prefix_cache_max_entries: int = 64) -> None:
+        if int(max_batch_size) <= 0:
+            raise ValueError("max_batch_size must be positive")
+        if int(block_size) <= 0:
+            raise ValueError("block_size must be positive")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.max_batch_size = int(max_batch_size)
+        self.max_model_len = loaded.config.max_position_embeddings
+        self.eos_token_ids = loaded.config.eos_token_ids
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
+        self.pool = KVBlockPool(loaded.config, self._num_blocks(block_size, kv_cache_max_concurrency, num_kv_blocks),
+                                int(block_size), loaded.dtype, self.device)
+        self.prefix_cache = PrefixCache(self.pool, prefix_cache_max_entries)
+        self._peak_blocks = 0
+
+    def _num_blocks(self, block_size: int, concurrency: int | None, num_blocks: int | None) -> int:
+        """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob)."""
+        if num_blocks is not None and concurrency is not None:
+            raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
+        if num_blocks is not None:
+            if int(num_blocks) <= 0:
+                raise ValueError("num_kv_blocks must be positive")
+            return int(num_blocks)
+        concurrency = self.max_batch_size if concurrency is None else int(concurrency)
+        if concurrency <= 0:
+            raise ValueError("kv_cache_max_concurrency must be positive")
+        return concurrency * -(-self.max_model_len // int(block_size))
+
+    def kv_stats(self) -> dict:
+        """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""
+        return {
+            "peak_kv_bytes": self._peak_blocks * self.pool.bytes_per_block,
+            "pool_kv_bytes": self.pool.nbytes,
+            "block_size": self.pool.block_size,
+            "num_blocks": self.pool.allocator.num_blocks,
+            "peak_blocks_in_use": self._peak_blocks,
+            "prefix_cache_entries": len(self.prefix_cache),
+            "prefix_cache_hits": self.prefix_cache.hits,
+            "prefix_cache_misses": self.prefix_cache.misses,
+        }
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run every request to completion with continuous batching; results in the order of `requests`."""
+        from .scheduler import OnlineScheduler  # the scheduler drives this engine, so it imports us
+
+        submitted = time.perf_counter()
+        # Validate and tokenize everything first: bad input fails before any work is done.
+        prepared = [prepare_prompt(r, self.tokenizer, self.max_model_len) for r in requests]
+        sessions = [self.new_session(r, p) for r, p in zip(requests, prepared)]
+        scheduler = OnlineScheduler(self, self.max_batch_size)
+        waiting = deque(range(len(sessions)))
+        index_of: dict[int, int] = {}
+        completions: list[Completion | None] = [None] * len(sessions)
+        while waiting or scheduler.has_unfinished():
+            # Admit while a decode slot and the request's KV blocks are free: it joins the next step.
+            while waiting and scheduler.num_unfinished < self.max_batch_size:
+                try:
+                    rid = scheduler.add_session(sessions[waiting[0]], submitted=submitted)
+                except OutOfKVBlocks:
+                    break  # waits until a running request finishes and frees blocks
+                index_of[rid] = waiting.popleft()
+            scheduler.step()
+            for rid in scheduler.pop_finished_ids():
+                completions[index_of[rid]] = scheduler.pop_completion(rid)
+        return completions  # type: ignore[return-value]
+
+    def new_session(self, request: Request, prompt: PreparedPrompt) -> InferenceSession:
+        """A session for a validated, tokenized request; fails if it could never fit in the pool."""
+        session = InferenceSession(request, prompt.token_ids, prompt.truncated,
+                                   make_generator(request.params, self.device), self.pool)
+        need = session.worst_case_blocks(self.max_model_len)
+        if need > self.pool.allocator.num_blocks:
+            raise ValueError(f"kv cache: a request needs {need} KV blocks but the pool has only "
+                             f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")
+        return session
+
+    def reserve(self, session: InferenceSession) -> None:
+        """Book the session's worst case in the pool (raises OutOfKVBlocks if it does not fit now)."""
+        need = session.worst_case_blocks(self.max_model_len)
+        while need > self.pool.allocator.num_available and self.prefix_cache.evict_one():
+            pass  # cached prompts give their blocks back before a live request has to wait
+        self.pool.allocator.reserve(need)
+        session.reserved = need
+
+    def prefix_cache_key(self, session: InferenceSession) -> PrefixCacheKey | None:
+        """Token ids when the request carries them — as truncated for the prefill — else the prompt string."""
+        if session.request.prompt_token_ids is not None:
+            return tuple(session.prompt_ids)  # already the last max_model_len ids, exactly what was prefilled
+        return session.request.prompt or None
+
+    def prefill_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
+        """Last logits [N, V] for new sessions: cache hits first, one forward for the distinct rest."""
+        logits: list[torch.Tensor | None] = [None] * len(sessions)
+        first_with_key: dict[PrefixCacheKey, int] = {}
+        duplicates: list[tuple[int, int]] = []  # (session, the earlier session with the same key)
+        todo: list[int] = []
+        for i, s in enumerate(sessions):
+            key = self.prefix_cache_key(s)
+            if key is not None:
+                cached = self.prefix_cache.attach(key, s)
+                if cached is not None:
+                    logits[i] = cached  # no forward pass: the blocks and logits are already there
+                    continue
+                if key in first_with_key:  # in-batch dedup: prefill once, share the blocks
+                    duplicates.append((i, first_with_key[key]))
+                    continue
+                first_with_key[key] = i
+            todo.append(i)
+        if todo:
+            batch_logits = self._prefill_forward([sessions[i] for i in todo])  # [len(todo), V]
+            for row, i in enumerate(todo):
+                logits[i] = batch_logits[row]
+                key = self.prefix_cache_key(sessions[i])
+                if key is not None:
+                    self.prefix_cache.put(key, sessions[i], batch_logits[row])
+        for i, src in duplicates:
+            sessions[i].attach_blocks(sessions[src].block_table, sessions[src].num_cached)
+            logits[i] = logits[src]
+        return torch.stack(logits)  # type: ignore[arg-type]
+
+    def prefill(self, session: InferenceSession) -> torch.Tensor:
+        """One session's last logits [1, V] (a burst of one)."""
+        return self.prefill_sessions([session])
+
+    def _prefill_forward(self, sessions: list[InferenceSession]) -> torch.Tensor:
+        """Run N prompts as one right-padded batch, writing their K/V to their blocks; logits [N, V]."""
+        lengths = [len(s.prompt_ids) for s in sessions]
+        N, T = len(sessions), max(lengths)
+        ids = torch.full((N, T), self.pad_token_id, dtype=torch.long)  # [N, T]
+        valid = torch.zeros((N, T), dtype=torch.bool)  # [N, T]
+        for i, s in enumerate(sessions):
+            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids)
+            valid[i, : lengths[i]] = True
+        positions = torch.arange(T).expand(N, T)  # [N, T]
+        slots = torch.cat([s.take_slots(n) for s, n in zip(sessions, lengths)])  # [sum(lengths)]
+        last = torch.tensor(lengths) - 1  # [N]
+        attention = PrefillAttention(self.pool, slots.to(self.device), valid.to(self.device))
+        return self.model(ids.to(self.device), positions.to(self.device), attention, logits_indices=last.to(self.device))
+
+    def decode_step_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
+        """One token for each session; returns logits [B, V]."""
+        ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        positions = torch.tensor([[s.num_cached] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        new_slots = torch.cat([s.take_slots(1) for s in sessions]).to(self.device)  # [B]
+        context = [s.context_slots() for s in sessions]
+        segments = torch.repeat_interleave(torch.arange(len(sessions)), torch.tensor([len(c) for c in context]))
+        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device))
+        first = torch.zeros(len(sessions), dtype=torch.long, device=self.device)
+        return self.model(ids, positions, attention, logits_indices=first)  # [B, V]
+
+    def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:
+        """Sample one token for every session (all live), record it, and decide who is done. logits: [B, V]."""
+        tokens = sample_tokens(logits, [s.params for s in sessions], [s.generator for s in sessions])
+        now = time.perf_counter()
+        self._peak_blocks = max(self._peak_blocks, self.pool.allocator.num_blocks - self.pool.allocator.num_free)
+        for s, tok in zip(sessions, tokens):
+            s.generated.append(tok)
+            s.timestamps.append(now)
+            s.finish_reason = finish_reason_for(
+                tok, len(s.generated), len(s.prompt_ids) + len(s.generated),
+                s.params, self.eos_token_ids, self.max_model_len,
+            )
+
+    def completion(self, session: InferenceSession) -> Completion:
+        """The public result of a finished session."""
+        ts = dict(session.timings)
+        if session.timestamps:
+            ts.update(first_token=session.timestamps[0], finished=session.timestamps[-1])
+        return Completion(
+            prompt_token_ids=session.prompt_ids,
+            token_ids=session.generated,
+            text=self.tokenizer.decode(session.generated, skip_special_tokens=True),
+            finish_reason=session.finish_reason or "length",
+            token_timestamps=session.timestamps,
+            truncated=session.truncated,
+            timings=ts,
+            prompt=session.request.prompt,
+        )
