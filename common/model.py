@@ -1,0 +1,300 @@
+"""DecoderModel: our own forward for Llama-family models and GPT-2, with pluggable attention.
+
+Why our own forward: the whole point of the stages is *how K/V are stored and read* (no cache in
+01, contiguous in 02, paged from 03 on). So the model computes everything except attention and
+calls `attention(layer_idx, q, k, v)` once per layer; each stage passes its own backend.
+Everything else mirrors the Hugging Face implementations op for op (same RMSNorm cast order,
+same RoPE formula) so our logits match transformers' to float noise and greedy tokens match exactly.
+
+Two load-time choices for speed, both invisible to callers: q/k/v (and gate/up) projections are
+concatenated into one weight so each is a single matmul, and GPT-2's Conv1D weights (stored
+[in, out]) are transposed once so every projection is a plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class Attention(Protocol):
+    """The stage decides how K/V are stored and read. The model calls it once per layer."""
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (RoPE already applied, all contiguous).
+        Returns [B, T, Hq, D]. Softmax scale is 1/sqrt(D). GQA: Hq is a multiple of Hkv."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in fp32 and cast back *before* the weight multiply (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies [D/2] in fp32 (HF's formula), with optional Llama-3.1 scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.get("rope_type") != "llama3":
+        raise ValueError(f"rope_scaling: unsupported rope_type {scaling.get('rope_type')!r}")
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, the middle blended.
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / scaling["low_freq_factor"]
+    high_freq_wavelen = old_len / scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - scaling["low_freq_factor"]) / (
+        scaling["high_freq_factor"] - scaling["low_freq_factor"]
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, T, H, D]; cos, sin: [B, T, D] -> rotated x [B, T, H, D]."""
+    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: x + attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hidden, dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * dim
+        self.input_layernorm = RMSNorm(hidden, config.norm_eps)
+        # rows: [q_proj; k_proj; v_proj] of the HF checkpoint
+        self.qkv_weight = nn.Parameter(torch.empty(qkv_out, hidden))
+        self.qkv_bias = nn.Parameter(torch.empty(qkv_out)) if config.attention_bias else None
+        self.o_weight = nn.Parameter(torch.empty(hidden, config.num_heads * dim))
+        self.o_bias = nn.Parameter(torch.empty(hidden)) if config.o_proj_bias else None
+        self.post_attention_layernorm = RMSNorm(hidden, config.norm_eps)
+        # rows: [gate_proj; up_proj]
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * config.intermediate_size, hidden))
+        self.down_weight = nn.Parameter(torch.empty(hidden, config.intermediate_size))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.input_layernorm(x)  # [B, T, E]
+        q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, T, H, D), cos, sin)  # [B, T, H, D]
+        k = apply_rope(k.view(B, T, Hkv, D), cos, sin)  # [B, T, Hkv, D]
+        v = v.reshape(B, T, Hkv, D).contiguous()  # [B, T, Hkv, D]
+        out = attention(self.layer_idx, q, k, v)  # [B, T, H, D]
+        x = x + F.linear(out.reshape(B, T, H * D), self.o_weight, self.o_bias)
+        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)  # [B, T, E]
+
+
+class GPT2Block(nn.Module):
+    """GPT-2 block: x + attn(LayerNorm(x)), then x + MLP_gelu_tanh(LayerNorm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.ln_1 = nn.LayerNorm(hidden, eps=config.norm_eps)
+        self.attn_weight = nn.Parameter(torch.empty(3 * hidden, hidden))  # c_attn, transposed
+        self.attn_bias = nn.Parameter(torch.empty(3 * hidden))
+        self.attn_proj_weight = nn.Parameter(torch.empty(hidden, hidden))
+        self.attn_proj_bias = nn.Parameter(torch.empty(hidden))
+        self.ln_2 = nn.LayerNorm(hidden, eps=config.norm_eps)
+        self.fc_weight = nn.Parameter(torch.empty(inner, hidden))
+        self.fc_bias = nn.Parameter(torch.empty(inner))
+        self.mlp_proj_weight = nn.Parameter(torch.empty(hidden, inner))
+        self.mlp_proj_bias = nn.Parameter(torch.empty(hidden))
+
+    def forward(self, x: Tensor, attention: Attention) -> Tensor:
+        B, T, E = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = F.linear(self.ln_1(x), self.attn_weight, self.attn_bias).split(E, dim=-1)
+        q, k, v = (t.reshape(B, T, H, D).contiguous() for t in (q, k, v))  # [B, T, H, D]
+        out = attention(self.layer_idx, q, k, v)  # [B, T, H, D]
+        x = x + F.linear(out.reshape(B, T, E), self.attn_proj_weight, self.attn_proj_bias)
+        h = F.gelu(F.linear(self.ln_2(x), self.fc_weight, self.fc_bias), approximate="tanh")
+        return x + F.linear(h, self.mlp_proj_weight, self.mlp_proj_bias)  # [B, T, E]
+
+
+class DecoderModel(nn.Module):
+    """A decoder-only LM (Llama family or GPT-2) whose attention is supplied by the caller."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList()
+        if config.arch == "gpt2":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            self.layers.extend(GPT2Block(config, i) for i in range(config.num_layers))
+            self.norm: nn.Module = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        elif config.arch == "llama":
+            self.layers.extend(LlamaBlock(config, i) for i in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        else:
+            raise ValueError(f"arch: unknown architecture {config.arch!r}")
+        # fp32 on purpose and not a buffer, so `.to(bfloat16)` can't round the frequencies.
+        self._inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size)
+        )
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, T, D] for the given absolute positions [B, T] (computed in fp32 like HF)."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self._inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [B, T]
+        positions: Tensor,  # [B, T] absolute position of every token
+        attention: Attention,
+        logits_indices: Tensor | None = None,  # [B]: per row, which t to keep
+    ) -> Tensor:  # [B, T, V], or [B, V] with logits_indices
+        x = self.embed_tokens(input_ids)  # [B, T, E]
+        if self.config.arch == "gpt2":
+            x = x + self.embed_positions(positions)
+            for layer in self.layers:
+                x = layer(x, attention)
+        else:
+            cos, sin = self.rope_cos_sin(positions, x.dtype)
+            for layer in self.layers:
+                x = layer(x, cos, sin, attention)
+        if logits_indices is not None:
+            # Only the rows we sample from pay for the norm and the (large) vocab projection.
+            x = x[torch.arange(x.shape[0], device=x.device), logits_indices]  # [B, E]
+        return F.linear(self.norm(x), self.lm_head_weight)  # [B, (T,) V]
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "DecoderModel":
+        """Load an HF-format directory (config.json + *.safetensors, sharded or not)."""
+        path = Path(path)
+        config = ModelConfig.from_pretrained(path)
+        hf_state = read_safetensors(path)
+        convert = _gpt2_state_dict if config.arch == "gpt2" else _llama_state_dict
+        state = {k: v.to(device=device, dtype=dtype) for k, v in convert(hf_state, config).items()}
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        if model._inv_freq is not None:
+            model._inv_freq = rope_inv_freq(config).to(device)
+        return model.eval().requires_grad_(False)
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """All tensors of `path/model.safetensors` or of the shards named in its index."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"model: no model.safetensors (or index) in {path}")
+    state: dict[str, Tensor] = {}
+    for name in files:
+        state.update(load_file(path / name))
+    return state
+
+
+class _Taker:
+    """Pops tensors by HF name so that leftovers (weights we'd silently ignore) are an error."""
+
+    IGNORED = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+    def __init__(self, state: dict[str, Tensor], prefix: str) -> None:
+        self.state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+
+    def __call__(self, name: str) -> Tensor:
+        if name not in self.state:
+            raise ValueError(f"model: checkpoint is missing weight {name!r}")
+        return self.state.pop(name)
+
+    def finish(self, config: ModelConfig) -> None:
+        if config.tie_word_embeddings:  # some tied checkpoints still store a copy
+            self.state.pop("lm_head.weight", None)
+        left = [k for k in self.state if not k.endswith(self.IGNORED)]
+        if left:
+            raise ValueError(f"model: checkpoint has weights this model does not use: {left[:5]}")
+
+
+def _llama_state_dict(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    take = _Taker(hf, "model.")
+    out = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    for i in range(config.num_layers):
+        p = o = f"layers.{i}."
+        attn = lambda n: take(f"{p}self_attn.{n}")  # noqa: E731
+        out[o + "qkv_weight"] = torch.cat([attn("q_proj.weight"), attn("k_proj.weight"), attn("v_proj.weight")])
+        if config.attention_bias:
+            out[o + "qkv_bias"] = torch.cat([attn("q_proj.bias"), attn("k_proj.bias"), attn("v_proj.bias")])
+        out[o + "o_weight"] = attn("o_proj.weight")
+        if config.o_proj_bias:
+            out[o + "o_bias"] = attn("o_proj.bias")
+        out[o + "gate_up_weight"] = torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
+        out[o + "down_weight"] = take(f"{p}mlp.down_proj.weight")
+        out[o + "input_layernorm.weight"] = take(f"{p}input_layernorm.weight")
+        out[o + "post_attention_layernorm.weight"] = take(f"{p}post_attention_layernorm.weight")
+    if not config.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight")
+    take.finish(config)
+    return out
+
+
+def _gpt2_state_dict(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    take = _Taker(hf, "transformer.")
+    out = {
+        "embed_tokens.weight": take("wte.weight"),
+        "embed_positions.weight": take("wpe.weight"),
+        "norm.weight": take("ln_f.weight"),
+        "norm.bias": take("ln_f.bias"),
+    }
+    names = {"attn_weight": "attn.c_attn.weight", "attn_proj_weight": "attn.c_proj.weight",
+             "fc_weight": "mlp.c_fc.weight", "mlp_proj_weight": "mlp.c_proj.weight"}
+    for i in range(config.num_layers):
+        for ours, theirs in names.items():  # Conv1D stores [in, out]; F.linear wants [out, in]
+            out[f"layers.{i}.{ours}"] = take(f"h.{i}.{theirs}").t().contiguous()
+            out[f"layers.{i}.{ours.replace('weight', 'bias')}"] = take(f"h.{i}.{theirs.replace('weight', 'bias')}")
+        for ln in ("ln_1", "ln_2"):
+            out[f"layers.{i}.{ln}.weight"] = take(f"h.{i}.{ln}.weight")
+            out[f"layers.{i}.{ln}.bias"] = take(f"h.{i}.{ln}.bias")
+    take.finish(config)
+    return out

@@ -1,0 +1,167 @@
+"""Request types: the public API that tests, docs, benchmarks and outside scripts use.
+
+Every stage takes `Request`s and returns `Completion`s, so these types never change between
+stages. Validation lives here (not in engines) so that every stage rejects bad input the same way,
+before doing any work, with a `ValueError` whose message starts with the offending field's name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+# torch.Generator.manual_seed accepts this range; checking here gives a clear error up front.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _is_int(x: Any) -> bool:
+    """True for Python/numpy ints but not bools (True would silently mean 1)."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `do_sample=False` (the default, like HF `generate`) or `temperature == 0` means greedy.
+    `top_k == 0` and `top_p == 1.0` switch those filters off.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # in (0, 1]
+    do_sample: bool = False  # False (or temperature == 0) = greedy
+    stop_on_eos: bool = True
+    seed: int | None = None  # per-request generator seed; None = the global torch RNG
+
+    def validate(self) -> None:
+        """Raise ValueError("<field> ...") for the first invalid field."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be a bool, got {self.do_sample!r}")
+        if not isinstance(self.stop_on_eos, bool):
+            raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(f"seed must be an int (64-bit) or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy rows take the argmax; temperature 0 is the usual API spelling of greedy."""
+        return not self.do_sample or self.temperature == 0
+
+
+@dataclass
+class Request:
+    """One generation request: text and/or token ids (token ids win when both are given)."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field: "prompt ...", "prompt_token_ids ...", or a params field."""
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ValueError(f"prompt must be a str or None, got {type(self.prompt).__name__}")
+        ids = self.prompt_token_ids
+        if ids is not None:
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+            bad = next((t for t in ids if not _is_int(t) or t < 0), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r}")
+        if not ids and not self.prompt:
+            raise ValueError("prompt is empty: give a non-empty prompt or non-empty prompt_token_ids")
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        self.params.validate()
+
+
+@dataclass
+class Completion:
+    """The result of one request. Timestamps are `time.perf_counter()` seconds."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS) | "length"
+    token_timestamps: list[float] = field(default_factory=list)  # one per generated token
+    truncated: bool = False  # prompt was cut to its last max_model_len tokens
+    # any subset of: "submitted", "tokenized", "scheduled" (prefill start), "first_token", "finished"
+    timings: dict[str, float] = field(default_factory=dict)
+    prompt: str | None = None
+
+
+@dataclass
+class PreparedPrompt:
+    """Token ids an engine can run, and whether the prompt had to be cut to fit."""
+
+    token_ids: list[int]
+    truncated: bool
+
+
+def prepare_prompt(request: Request, tokenizer: Any, max_model_len: int) -> PreparedPrompt:
+    """Validate `request` and turn it into at most `max_model_len` token ids.
+
+    A prompt longer than the context window keeps its LAST `max_model_len` tokens (as the posts
+    do): the end of the prompt is what the next token depends on most. Ids outside the tokenizer's
+    vocabulary are rejected here because the embedding lookup would otherwise fail deep inside a
+    batched forward, taking the other requests of the batch down with it.
+    """
+    from common.tokenizer import encode  # local: keeps `import common.requests` light
+
+    if not _is_int(max_model_len) or max_model_len <= 0:
+        raise ValueError(f"max_model_len must be > 0, got {max_model_len!r}")
+    request.validate()
+    if request.prompt_token_ids:
+        ids = [int(t) for t in request.prompt_token_ids]
+        vocab = len(tokenizer)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt_token_ids contains {bad}, outside the tokenizer vocabulary [0, {vocab})"
+            )
+    else:
+        ids = encode(tokenizer, request.prompt or "")
+        if not ids:
+            raise ValueError(f"prompt encodes to no tokens: {request.prompt!r}")
+    truncated = len(ids) > max_model_len
+    if truncated:
+        ids = ids[-max_model_len:]
+    return PreparedPrompt(token_ids=ids, truncated=truncated)
+
+
+def finish_reason_for(
+    token_id: int,
+    num_generated: int,
+    total_len: int,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    max_model_len: int,
+) -> str | None:
+    """Why a sequence stops after emitting `token_id`, or None to keep going.
+
+    `num_generated` counts `token_id`; `total_len` = prompt + generated tokens. Stopping at
+    `total_len >= max_model_len` is HF's MaxLengthCriteria with max_length = the context window,
+    so the last token is never fed back at a position the model does not have. EOS wins over
+    length when both apply.
+    """
+    if params.stop_on_eos and token_id in eos_token_ids:
+        return "stop"
+    if num_generated >= params.max_new_tokens or total_len >= max_model_len:
+        return "length"
+    return None

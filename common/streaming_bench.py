@@ -1,0 +1,176 @@
+"""The posts' streaming benchmark (stages 04+): requests arrive over time while others decode.
+
+One submitter thread calls `SchedulerManager.add_request` on a schedule (`--submit-interval-ms`,
+`absolute`: request i at t0 + i * interval, however long earlier calls took; `relative`: sleep
+the interval after each call returns) and one consumer thread per request drains its stream,
+so streaming itself is exercised, as a client would. The manager stamps each Completion
+(submitted / tokenized / scheduled / first_token / finished and per-token times); this file
+adds what only the client sees: submit lag, add_request latency and submit wall.
+A fresh SchedulerManager is made for every run and always closed.
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+from common.bench import EngineSpec, accepted, describe_workload, knob_header, run_engines
+from common.metrics import percentiles, summarize
+
+
+def add_streaming_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("streaming (stages with a SchedulerManager)")
+    g.add_argument("--pretok", action="store_true", help="submit prompt_token_ids (tokenize before submitting)")
+    g.add_argument("--pretok-base-token-ids", action="store_true",
+                   help="with --pretok: tokenize the prompt before --unique-prompts' suffix (same ids, different text)")
+    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker tokenizes)")
+    g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
+    g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
+    g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
+    g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep, then yield-spin the last half millisecond: time.sleep alone overshoots."""
+    remaining = deadline - time.perf_counter()
+    if remaining > 5e-4:
+        time.sleep(remaining - 5e-4)
+    while time.perf_counter() < deadline:
+        time.sleep(0)
+
+
+def _submit_kwargs(request) -> dict:
+    """Ids whenever the workload has them (--pretok, random-length prompts), with the text
+    alongside (post 004 needs "different text, same ids"); else text only, so the manager tokenizes."""
+    kwargs = {"prompt": request.prompt, "params": request.params}
+    if request.prompt_token_ids is not None:
+        kwargs["prompt_token_ids"] = request.prompt_token_ids
+    return kwargs
+
+
+def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: float = 0.0,
+                       submit_schedule: str = "absolute", timeout_s: float = 600.0) -> tuple[dict, list]:
+    """Submit `requests` to `manager` on the schedule, drain every stream, summarize the run."""
+    if submit_schedule not in ("absolute", "relative"):
+        raise ValueError(f"submit_schedule: 'absolute' or 'relative', got {submit_schedule!r}")
+    n, interval = len(requests), submit_interval_ms / 1000.0
+    planned, called, returned = [0.0] * n, [0.0] * n, [0.0] * n
+    completions: list[Any] = [None] * n
+    streamed: list[tuple[str, list[int]]] = [("", [])] * n
+    errors: list[tuple[int, BaseException]] = []
+    inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
+
+    def consume(i: int) -> None:
+        handle = inboxes[i].get()
+        if handle is None:  # submission failed
+            return
+        try:
+            text, ids = [], []
+            for chunk in handle:
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+            streamed[i] = ("".join(text), ids)
+            completions[i] = handle.result(timeout=timeout_s)
+        except BaseException as exc:  # the request's own error: report it, keep the others going
+            errors.append((i, exc))
+
+    def submit() -> None:
+        t0 = time.perf_counter()
+        next_at = t0
+        for i, request in enumerate(requests):
+            planned[i] = t0 + i * interval if submit_schedule == "absolute" else next_at
+            _sleep_until(planned[i])
+            called[i] = time.perf_counter()
+            try:
+                handle = manager.add_request(**_submit_kwargs(request))
+            except BaseException as exc:
+                errors.append((i, exc))
+                handle = None
+            returned[i] = time.perf_counter()
+            inboxes[i].put(handle)
+            next_at = returned[i] + interval
+
+    consumers = [threading.Thread(target=consume, args=(i,), daemon=True, name=f"consumer-{i}") for i in range(n)]
+    for t in consumers:
+        t.start()
+    submitter = threading.Thread(target=submit, daemon=True, name="submitter")
+    submitter.start()
+    deadline = time.perf_counter() + timeout_s
+    for t in [submitter, *consumers]:
+        t.join(max(0.0, deadline - time.perf_counter()))
+    stuck = [i for i, t in enumerate(consumers) if t.is_alive()]
+    if submitter.is_alive() or stuck:
+        raise RuntimeError(f"streaming run timed out after {timeout_s:.0f} s; unfinished requests: {stuck[:10]}")
+    if errors:
+        i, exc = sorted(errors, key=lambda e: e[0])[0]
+        raise RuntimeError(f"{len(errors)} of {n} requests failed; first: request {i}: {exc!r}") from exc
+
+    _check_stamps_and_streams(completions, streamed, called, returned)
+    starts = [c.timings["submitted"] for c in completions]
+    ends = [c.token_timestamps[-1] if c.token_timestamps else c.timings.get("finished", starts[0])
+            for c in completions]
+    summary = summarize(completions, wall_s=max(1e-9, max(ends) - min(starts)))
+    summary.update(
+        submit_wall_s=called[-1] - called[0],
+        submit_interval_ms=float(submit_interval_ms),
+        submit_schedule=submit_schedule,
+        submit_lag_ms=percentiles((c - p) * 1000.0 for c, p in zip(called, planned)),
+        add_request_ms=percentiles((r - c) * 1000.0 for c, r in zip(called, returned)),
+    )
+    return summary, completions
+
+
+def _check_stamps_and_streams(completions: list, streamed: list, called: list, returned: list) -> None:
+    """TTFT is only honest if "submitted" is the add_request call; streams must add up to results."""
+    late = 0
+    for i, c in enumerate(completions):
+        submitted = c.timings.setdefault("submitted", called[i])
+        if not called[i] <= submitted <= returned[i]:
+            late += 1
+    if late:
+        print(f"WARNING: {late} completions have timings['submitted'] outside their add_request call; "
+              f"TTFT/latency are measured from the manager's stamp", file=sys.stderr, flush=True)
+    bad = [i for i, (c, (text, ids)) in enumerate(zip(completions, streamed)) if text != c.text or ids != c.token_ids]
+    if bad:
+        print(f"WARNING: streamed text/ids differ from the final result for requests {bad[:10]}",
+              file=sys.stderr, flush=True)
+
+
+def make_manager(spec: EngineSpec, args: argparse.Namespace) -> Any:
+    cls = spec.module.SchedulerManager
+    wanted = {"max_batch_size": args.max_batch_size, "record_token_timestamps": True,
+              "stream_interval": args.stream_interval, "tokenize_workers": args.tokenize_workers,
+              "prefill_max_batch_size": args.prefill_max_batch_size}
+    return cls(spec.engine, **accepted(cls, wanted))
+
+
+def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argparse.Namespace) -> dict:
+    """Warmups and alternating repeats (common.bench.run_engines), each run on a new manager."""
+
+    def run_once(spec: EngineSpec) -> tuple[dict, list]:
+        manager = make_manager(spec, args)
+        try:
+            return run_streaming_once(manager, requests, submit_interval_ms=args.submit_interval_ms,
+                                      submit_schedule=args.submit_schedule, timeout_s=args.request_timeout_s)
+        finally:
+            manager.close()
+
+    return run_engines(specs, run_once, requests, args.warmup_runs, args.repeat_runs, args.fresh_engine)
+
+
+def streaming_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
+    manager_takes_prefill = accepted(spec.module.SchedulerManager, {"prefill_max_batch_size": 0})
+    header = {"Model": loaded.name, "Device": str(loaded.device), "Dtype": str(loaded.dtype).replace("torch.", ""),
+              "Engine": spec.name, "Mode": "streaming (SchedulerManager)", "Workload": describe_workload(args),
+              "Pretok": args.pretok or args.prompt_len_min is not None or bool(args.shared_prefix_len),
+              "Pretok base token ids": True if args.pretok_base_token_ids else None,
+              "Tokenize workers": args.tokenize_workers, "Stream interval": args.stream_interval,
+              "Max batch size": args.max_batch_size}
+    if manager_takes_prefill:
+        header["Prefill max batch size"] = args.prefill_max_batch_size or args.max_batch_size
+    header.update(knob_header(spec))
+    header["Repeats"] = f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"
+    return header

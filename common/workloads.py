@@ -1,0 +1,131 @@
+"""Benchmark workloads: the same list of requests for every engine in a comparison.
+
+Each workload isolates one effect from the posts:
+- fixed prompt ("Hello", post 000): every request is the same, so batching is all that matters;
+- `unique_prompts`: a per-request suffix makes every prompt *text* different (defeats a
+  string-keyed prefix cache);
+- `pretok_base_token_ids` (post 004): texts differ but token ids are equal (a token-id-keyed
+  cache should hit);
+- `prompt_len_range`: random prompt token ids of random length (realistic padding waste);
+- `long_every` (post 002): one request in `long_every` wants many more tokens than the rest --
+  the case where static batching idles and continuous batching wins;
+- `shared_prefix_len` / `repeat_prompts`: material for prefix caching.
+Everything random comes from one seeded RNG, so a workload is reproducible from its flags.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+from common.requests import Request, SamplingParams
+
+
+def ordinary_token_range(tokenizer) -> tuple[int, int, frozenset[int]]:
+    """[lo, hi) ids that are plain text pieces: skips the low ids (control/byte tokens in most
+    BPE vocabularies), added tokens past `vocab_size`, and every special token."""
+    vocab = int(getattr(tokenizer, "vocab_size", 0) or len(tokenizer))
+    special = frozenset(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []))
+    lo = min(1000, vocab // 4)
+    if vocab - lo <= len(special):
+        raise ValueError("tokenizer: vocabulary too small for random prompts")
+    return lo, vocab, special
+
+
+def random_token_ids(rng: random.Random, n: int, lo: int, hi: int, special: frozenset[int]) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        tid = rng.randrange(lo, hi)
+        if tid not in special:
+            ids.append(tid)
+    return ids
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # add_special_tokens=False everywhere, as the posts do (same as common.tokenizer.encode).
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _check(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+
+
+def build_workload(
+    tokenizer,
+    *,
+    prompt: str = "Hello",
+    num_requests: int,
+    unique_prompts: bool = False,
+    prompt_len_range: tuple[int, int] | None = None,
+    max_new_tokens: int,
+    long_every: int | None = None,
+    long_max_new_tokens: int | None = None,
+    shared_prefix_len: int | None = None,
+    repeat_prompts: int | None = None,
+    stop_on_eos: bool = True,
+    seed: int = 0,
+    pretok: bool = False,
+    pretok_base_token_ids: bool = False,
+) -> list[Request]:
+    """Build `num_requests` greedy requests (see the module docstring for each knob).
+
+    Prompt ids are filled in (`prompt_token_ids`) when `pretok`, and always for random-length
+    or shared-prefix prompts, which only exist as ids; their `prompt` text is the decoded ids, so
+    engines that key on text still see distinct prompts. Request i uses distinct prompt
+    i // repeat_prompts, so the k copies of a prompt arrive back to back.
+    """
+    _check("num_requests", num_requests, 1)
+    _check("max_new_tokens", max_new_tokens, 1)
+    _check("long_every", long_every, 1)
+    _check("long_max_new_tokens", long_max_new_tokens, 1)
+    _check("shared_prefix_len", shared_prefix_len, 0)
+    _check("repeat_prompts", repeat_prompts, 1)
+    if prompt_len_range is not None:
+        lo_len, hi_len = (int(x) for x in prompt_len_range)
+        if not 1 <= lo_len <= hi_len:
+            raise ValueError(f"prompt_len_range: need 1 <= min <= max, got {prompt_len_range}")
+    if not prompt and prompt_len_range is None:
+        raise ValueError("prompt: empty prompt")
+    if pretok_base_token_ids and not pretok:
+        raise ValueError("pretok_base_token_ids: only meaningful with pretok=True (as in post 004)")
+
+    rng = random.Random(seed)
+    prefix_ids: list[int] = []
+    if shared_prefix_len or prompt_len_range is not None:
+        lo, hi, special = ordinary_token_range(tokenizer)
+    if shared_prefix_len:
+        prefix_ids = random_token_ids(rng, shared_prefix_len, lo, hi, special)
+
+    num_distinct = math.ceil(num_requests / (repeat_prompts or 1))
+    distinct: list[tuple[str, list[int] | None]] = []
+    for j in range(num_distinct):
+        if prompt_len_range is not None:
+            length = rng.randint(lo_len, hi_len)
+            tail = random_token_ids(rng, max(1, length - len(prefix_ids)), lo, hi, special)
+            ids: list[int] | None = prefix_ids + tail
+            text = tokenizer.decode(ids)
+        else:
+            text = f"{prompt} #{j}" if unique_prompts else prompt
+            if prefix_ids:
+                ids = prefix_ids + _encode(tokenizer, text)
+                text = tokenizer.decode(prefix_ids) + text
+            elif pretok:
+                ids = _encode(tokenizer, prompt if pretok_base_token_ids else text)
+            else:
+                ids = None
+        distinct.append((text, ids))
+
+    requests = []
+    for i in range(num_requests):
+        text, ids = distinct[i // (repeat_prompts or 1)]
+        is_long = long_every is not None and i % long_every == 0
+        n_new = (long_max_new_tokens or 10 * max_new_tokens) if is_long else max_new_tokens
+        params = SamplingParams(max_new_tokens=n_new, stop_on_eos=stop_on_eos)
+        requests.append(Request(prompt=text, prompt_token_ids=None if ids is None else list(ids), params=params))
+    return requests
+
+
+def fresh_copies(requests: list[Request]) -> list[Request]:
+    """Deep copies, so no engine can see (or mutate) state another engine left on a request."""
+    return copy.deepcopy(requests)

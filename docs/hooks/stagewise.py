@@ -1,0 +1,251 @@
+"""mkdocs hook: turn `<!-- directive: ... -->` lines into content generated from the repo.
+
+Why a hook: the docs must never drift from the code or the numbers. Diffs between stages are
+computed from `stages/` at build time, result tables are rendered from the committed JSON under
+`docs/results/`, so a page cannot show a diff or a number that the repository does not contain.
+
+Block directives (alone on their line; the line's indentation is kept, so they work inside
+admonitions and content tabs):
+
+    <!-- stage-diff: s01_naive_batching s02_kv_cache -->     diff -ru of the *.py files; missing dir = build error
+    <!-- stage-diff-if-present: A B -->                      same, or a "not built yet" note
+    <!-- include: common/model.py::Attention -->              a file, class, function, method
+                                                              (Class.method) or assignment, by name;
+                                                              missing = build error
+    <!-- include-if-present: stages/s03_x/engine.py -->      the same, or a "not built yet" note
+    <!-- bench-results: docs/results/X.json [| command] -->   tables from a bench JSON, or a note
+    <!-- ladder-chart[: docs/results/ladder.cpu.png] -->     the ladder image, or a note
+    <!-- ladder-table[: docs/results/ladder.cpu.json] -->    the ladder table, or a note
+
+Inline directives (anywhere in a line, e.g. a table cell):
+
+    <!-- bench-value: docs/results/X.json ttft_ms.p99 -->              one number, 2 decimals
+    <!-- bench-ratio: docs/results/X.json compare.s06_x.ttft_ms.p99 ttft_ms.p99 -->   a / b as "2.17×"
+
+Key paths are dotted; a list is indexed by position (`compare.0`) or by the `engine` name of
+its entry (`compare.s06_prefill_microbatching`). A missing result file never fails the build
+(results are committed after the code); a malformed one, or a key that is not there, does.
+Directives inside fenced code blocks are left alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import re
+import textwrap
+from pathlib import Path
+
+from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _name, _number, _rel,
+                               _value, default_command, env_line, load_result, render_bench_ratio,
+                               render_bench_results, render_bench_value)
+
+BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results",
+         "ladder-chart", "ladder-table")
+INLINE = ("bench-value", "bench-ratio")
+_NAMES = "|".join(sorted(BLOCK + INLINE, key=len, reverse=True))
+DIRECTIVE_RE = re.compile(r"<!--\s*(" + _NAMES + r")\b\s*:?\s*(.*?)\s*-->")
+FENCE_RE = re.compile(r"^\s*(`{3,}|~{3,})")
+
+# ----------------------------------------------------------------------------- stage diffs
+def _stage_dir(root: Path, name: str) -> Path:
+    name = name.strip().strip("/")
+    return root / (name if name.startswith("stages/") else f"stages/{name}")
+
+
+def _py_files(d: Path) -> dict[str, Path]:
+    return {p.relative_to(d).as_posix(): p for p in sorted(d.rglob("*.py"))
+            if "__pycache__" not in p.parts}
+
+
+def stage_diff(root: Path, a: str, b: str) -> tuple[str, list[tuple[str, str, int, int]]]:
+    """`diff -ru stages/a stages/b` over *.py files: (diff text, [(file, kind, +lines, -lines)])."""
+    da, db = _stage_dir(root, a), _stage_dir(root, b)
+    for d in (da, db):
+        if not d.is_dir():
+            raise DocsError(f"stage-diff: stage directory {d.relative_to(root)} does not exist")
+    fa, fb = _py_files(da), _py_files(db)
+    ra, rb = da.relative_to(root).as_posix(), db.relative_to(root).as_posix()
+    out: list[str] = []
+    stats: list[tuple[str, str, int, int]] = []
+    for name in sorted(set(fa) | set(fb)):
+        if name not in fb:
+            out.append(f"Only in {os.path.dirname(f'{ra}/{name}')}: {os.path.basename(name)}")
+            stats.append((name, "removed", 0, len(fa[name].read_text().splitlines())))
+            continue
+        if name not in fa:
+            out.append(f"Only in {os.path.dirname(f'{rb}/{name}')}: {os.path.basename(name)}")
+            stats.append((name, "new", len(fb[name].read_text().splitlines()), 0))
+            continue
+        old, new = fa[name].read_text().splitlines(), fb[name].read_text().splitlines()
+        hunks = list(difflib.unified_diff(old, new, f"{ra}/{name}", f"{rb}/{name}", lineterm=""))
+        if not hunks:
+            continue
+        out.append(f"diff -ru {ra}/{name} {rb}/{name}")
+        out.extend(hunks)
+        body = hunks[2:]
+        stats.append((name, "changed", sum(1 for h in body if h.startswith("+")),
+                      sum(1 for h in body if h.startswith("-"))))
+    return "\n".join(out), stats
+
+
+def render_stage_diff(root: Path, a: str, b: str, strict: bool = True) -> str:
+    if not strict and not (_stage_dir(root, a).is_dir() and _stage_dir(root, b).is_dir()):
+        missing = [n for n in (a, b) if not _stage_dir(root, n).is_dir()]
+        return _admonition("note", "Stage not built yet",
+                           f"`stages/{missing[0]}/` does not exist yet. Once it does, this section "
+                           f"shows `diff -ru stages/{a} stages/{b}`, generated from the code.")
+    text, stats = stage_diff(root, a, b)
+    cmd = f"diff -ru {_stage_dir(root, a).relative_to(root)} {_stage_dir(root, b).relative_to(root)}"
+    if not stats:
+        return _admonition("info", "No differences", f"`{cmd}` finds no difference in *.py files.")
+    rows = "\n".join(f"| `{f}` | {kind} | {f'+{add}' if add else '—'} | {f'−{rem}' if rem else '—'} |"
+                     for f, kind, add, rem in stats)
+    return (f"Generated at build time from the code: `{cmd}` (Python files only).\n\n"
+            f"| file | change | added | removed |\n|---|---|--:|--:|\n{rows}\n\n"
+            + _fence(text, "diff"))
+
+
+# ----------------------------------------------------------------------------- includes
+LANGS = {".py": "python", ".md": "markdown", ".toml": "toml", ".yml": "yaml", ".yaml": "yaml",
+         ".json": "json", ".sh": "bash", "": "text"}
+
+
+def extract_symbol(source: str, symbol: str, where: str = "?") -> str:
+    """The source of a class, function, method (`Class.method`) or top-level assignment."""
+    node: ast.AST = ast.parse(source)
+    for part in symbol.split("."):
+        found = None
+        for child in getattr(node, "body", []):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [child.name]
+            elif isinstance(child, (ast.Assign, ast.AnnAssign)):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            if part in names:
+                found = child
+        if found is None:
+            raise DocsError(f"include: {where} has no {symbol!r} (looked for {part!r})")
+        node = found
+    decorators = getattr(node, "decorator_list", [])
+    start = min([node.lineno] + [d.lineno for d in decorators])
+    lines = source.splitlines()[start - 1: node.end_lineno]
+    return textwrap.dedent("\n".join(lines))
+
+
+def render_include(root: Path, spec: str, strict: bool = False) -> str:
+    """`path` or `path::Symbol` as a titled code block; a note (or an error) when missing."""
+    spec = spec.strip()
+    path, _, symbol = spec.partition("::")
+    p = root / path
+    if not p.is_file():
+        if strict:
+            raise DocsError(f"include: {path} does not exist")
+        return _admonition("note", "Not built yet",
+                           f"`{path}` does not exist yet; this block shows it once it does.")
+    text = p.read_text()
+    if symbol:
+        text = extract_symbol(text, symbol, path)
+    lang = LANGS.get(p.suffix, "text")
+    title = f"{path} · {symbol}" if symbol else path
+    return _fence(text, f'{lang} title="{title}"')
+
+
+# ----------------------------------------------------------------------------- ladder
+def render_ladder_chart(root: Path, args: str, page_src: str | None = None) -> str:
+    path = args.strip() or "docs/results/ladder.cpu.png"
+    if not (root / path).is_file():
+        return _admonition("info", "Ladder chart not committed yet",
+                           f"`{path}` appears here once it is committed. Produce it with:\n\n"
+                           + _fence(default_command(path), "bash"))
+    return (f"![Throughput and TTFT of every stage on one workload]({_rel(root, path, page_src)})"
+            "{ loading=lazy }")
+
+
+def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> str:
+    path = args.strip() or "docs/results/ladder.cpu.json"
+    data = load_result(root, path)
+    if data is None:
+        return _admonition("warning", "No committed result yet",
+                           f"`{path}` is not committed yet. Produce it with:\n\n"
+                           + _fence(default_command(path), "bash"))
+    entries = _first(data, "entries", "results", "engines", "rows")
+    if not isinstance(entries, list) or not entries:
+        raise DocsError(f"{path}: expected a non-empty list under 'entries' (or 'results'/'engines')")
+    out = [f"**Command:** `{data.get('command') or default_command(path)}`", "",
+           f"**Environment:** {env_line(data)}. "
+           f"Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
+           "| engine | completion tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
+           "| TPOT p50 (ms) | peak KV (MiB) |", "|---|--:|--:|--:|--:|--:|--:|"]
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise DocsError(f"{path}: entries[{i}] must be an object")
+        _number(e, "throughput_tok_s.completion", f"{path} entries[{i}]")
+        cells = [_fmt(_value(e, k)) for k in ("throughput_tok_s.completion", "throughput_tok_s.total",
+                                              "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50",
+                                              "kv.peak_kv_bytes")]
+        out.append(f"| `{_name(e, str(i))}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- the hook
+def _render_block(root: Path, name: str, args: str, page_src: str | None) -> str:
+    if name in ("stage-diff", "stage-diff-if-present"):
+        stages = args.split()
+        if len(stages) != 2:
+            raise DocsError(f"{name}: expected two stage names, got {args!r}")
+        return render_stage_diff(root, *stages, strict=(name == "stage-diff"))
+    if name in ("include", "include-if-present"):
+        return render_include(root, args, strict=(name == "include"))
+    if name == "bench-results":
+        path, _, cmd = args.partition("|")
+        return render_bench_results(root, path, page_src, cmd.strip() or None)
+    if name == "ladder-chart":
+        return render_ladder_chart(root, args, page_src)
+    return render_ladder_table(root, args, page_src)
+
+
+def expand(markdown: str, root: Path, page_src: str | None = None) -> str:
+    """Replace every directive outside fenced code blocks."""
+    out: list[str] = []
+    fence: str | None = None
+    for line in markdown.split("\n"):
+        m = FENCE_RE.match(line)
+        if fence is not None:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) \
+                    and not line.strip()[len(m.group(1)):].strip():
+                fence = None
+            out.append(line)
+            continue
+        if m:
+            fence = m.group(1)
+            out.append(line)
+            continue
+        whole = DIRECTIVE_RE.fullmatch(line.strip())
+        if whole and whole.group(1) in BLOCK:
+            indent = line[: len(line) - len(line.lstrip())]
+            block = _render_block(root, whole.group(1), whole.group(2), page_src)
+            out.extend((indent + ln) if ln else "" for ln in block.split("\n"))
+            continue
+
+        def inline(mm: re.Match) -> str:
+            if mm.group(1) in BLOCK:
+                raise DocsError(f"{mm.group(1)} must be alone on its line: {line.strip()!r}")
+            if mm.group(1) == "bench-value":
+                return render_bench_value(root, mm.group(2))
+            return render_bench_ratio(root, mm.group(2))
+
+        out.append(DIRECTIVE_RE.sub(inline, line))
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001 (mkdocs API)
+    root = Path(config["config_file_path"]).resolve().parent
+    src = page.file.src_uri
+    try:
+        return expand(markdown, root, src)
+    except DocsError as e:
+        raise DocsError(f"docs/{src}: {e}") from e

@@ -1,0 +1,345 @@
+"""The offline benchmark harness, its report, workloads and the HF baseline.
+
+Fake engines (defined here) keep these tests independent of any stage and fast; only the HF
+baseline test loads a model (`tiny`) because its whole point is parity with transformers.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import report, stages as registry
+from common.requests import Completion, SamplingParams
+from common.workloads import build_workload
+
+
+class FakeTokenizer:
+    """Characters <-> ids 1000+ord(c); ids 0-2 are special."""
+
+    vocab_size = 5000
+    all_special_ids = [0, 1, 2]
+    eos_token_id = 2
+    pad_token_id = None
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1000 + ord(c) % 4000 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def fake_loaded():
+    config = types.SimpleNamespace(max_position_embeddings=512, eos_token_ids=(2,))
+    return types.SimpleNamespace(name="fake", path=Path("/nonexistent"), tokenizer=FakeTokenizer(), config=config,
+                                 device=torch.device("cpu"), dtype=torch.float32)
+
+
+class FakeEngine:
+    """Deterministic tokens from the prompt; synthetic timestamps 1 ms apart."""
+
+    offset = 0  # a subclass with another offset produces different tokens
+
+    def __init__(self, loaded, max_batch_size: int = 8) -> None:
+        self.loaded, self.max_batch_size = loaded, max_batch_size
+
+    def generate(self, requests):
+        t0 = time.perf_counter()
+        out = []
+        for r in requests:
+            r.validate()
+            ids = r.prompt_token_ids or self.loaded.tokenizer.encode(r.prompt)
+            toks = [100 + (sum(ids) + k + self.offset) % 97 for k in range(r.params.max_new_tokens)]
+            stamps = [t0 + 0.001 * (k + 1) for k in range(len(toks))]
+            out.append(Completion(prompt_token_ids=list(ids), token_ids=toks, text="x", finish_reason="length",
+                                  token_timestamps=stamps, timings={"submitted": t0}, prompt=r.prompt))
+        return out
+
+    def kv_stats(self) -> dict:
+        return {"peak_kv_bytes": 2**20}
+
+
+class PagedFakeEngine(FakeEngine):
+    """Takes a stage-03 knob, to check knobs reach only engines that accept them."""
+
+    seen: list[dict] = []
+
+    def __init__(self, loaded, max_batch_size: int = 8, block_size: int = 16) -> None:
+        super().__init__(loaded, max_batch_size)
+        PagedFakeEngine.seen.append({"block_size": block_size})
+
+
+class WrongEngine(FakeEngine):
+    offset = 1
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+    """Two fake stages registered as stages 1 and 2, and a fake load_model / HF baseline."""
+    import common.hf_baseline
+    import common.loader
+
+    def add(name: str, engine, bench: dict | None = None) -> types.ModuleType:
+        module = types.ModuleType(name)
+        module.InferenceEngine = engine
+        if bench is not None:
+            module.BENCH = bench
+        monkeypatch.setitem(sys.modules, name, module)
+        return module
+
+    modules = {"first": add("fake_s01", FakeEngine), "second": add("fake_s02", PagedFakeEngine,
+                                                                    {"num_requests": 5, "max_new_tokens": 3})}
+    monkeypatch.setattr(registry, "STAGES", {1: "fake_s01", 2: "fake_s02"})
+    monkeypatch.setattr(common.loader, "load_model", lambda *a, **k: fake_loaded())
+    monkeypatch.setattr(common.hf_baseline, "HFGenerateEngine", FakeEngine)
+    PagedFakeEngine.seen = []
+    return modules
+
+
+# ----------------------------------------------------------------------------- report
+
+PCT = {"p50": 1.0, "p95": 2.0, "p99": 3.0}
+
+
+def test_report_prints_the_posts_lines():
+    summary = {"requests": 32, "prompt_tokens": 128, "completion_tokens": 256, "submit_wall_s": 0.082981,
+               "submit_interval_ms": 20.0, "submit_schedule": "absolute", "submit_lag_ms": PCT,
+               "add_request_ms": {"p50": 0.03, "p95": 0.11, "p99": 53.13}, "tokenize_ms": PCT, "queue_wait_ms": PCT,
+               "prefill_to_first_token_ms": PCT, "ttft_ms": {"p50": 140.34, "p95": 255.57, "p99": 255.68},
+               "tpot_ms": {"p50": 105.36, "p95": 107.14, "p99": 110.48}, "itl_ms": PCT, "latency_ms": PCT,
+               "throughput_tok_s": {"completion": 246.2, "total": 262.0}}
+    text = report.format_report(summary, {"Model": "gpt2", "Device": "cpu", "Pretok": True, "Skipped": None})
+    assert text.splitlines() == [
+        "=== streaming benchmark ===",
+        "Model: gpt2",
+        "Device: cpu",
+        "Pretok: True",
+        "Requests: 32",
+        "Prompt tokens (total): 128",
+        "Completion tokens (total): 256",
+        "Submit wall: 0.082981 s",
+        "Submit interval/schedule: 20.000 ms / absolute",
+        "Submit lag p50/p95/p99: 1.00/2.00/3.00 ms",
+        "add_request latency p50/p95/p99: 0.03/0.11/53.13 ms",
+        "Tokenize p50/p95/p99: 1.00/2.00/3.00 ms",
+        "Queue wait (post-tok) p50/p95/p99: 1.00/2.00/3.00 ms",
+        "Prefill->first token p50/p95/p99: 1.00/2.00/3.00 ms",
+        "TTFT p50/p95/p99: 140.34/255.57/255.68 ms",
+        "TPOT p50/p95/p99: 105.36/107.14/110.48 ms/token",
+        "ITL p50/p95/p99: 1.00/2.00/3.00 ms",
+        "Latency p50/p95/p99: 1.00/2.00/3.00 ms",
+        "Throughput (completion,total): 246.20/262.00 tokens/s",
+    ]
+
+
+def test_offline_report_has_no_submit_or_queue_lines():
+    summary = {"requests": 2, "prompt_tokens": 4, "completion_tokens": 8, "ttft_ms": PCT, "tpot_ms": PCT,
+               "itl_ms": PCT, "latency_ms": PCT, "throughput_tok_s": {"completion": 10.0, "total": 15.0}}
+    runs = [{"throughput_tok_s": {"completion": x}} for x in (9.0, 10.0, 11.0)]
+    text = report.format_report(summary, {"Model": "m"}, runs=runs)
+    assert "Submit" not in text and "Queue" not in text and "add_request" not in text
+    assert "Runs: 3 (medians above; completion tokens/s per run: 9.00, 10.00, 11.00; spread 20.0%)" in text
+
+
+def test_comparison_ratios_favour_the_first_engine():
+    def result(name, tput, ttft, runs):
+        return {"engine": name, "throughput_tok_s": {"completion": tput, "total": tput}, "ttft_ms": {"p50": ttft},
+                "runs": [{"throughput_tok_s": {"completion": x}} for x in runs]}
+
+    results = [result("s02", 200.0, 50.0, [190, 210]), result("s01", 100.0, 100.0, [95, 105]),
+               result("hf", 190.0, 55.0, [180, 205])]
+    ratios = report.comparison_ratios(results)
+    assert ratios["s01"]["throughput_completion"] == pytest.approx(2.0)
+    assert ratios["s01"]["ttft_p50"] == pytest.approx(2.0)  # half the TTFT counts as 2x better
+    table = report.format_comparison(results)
+    assert "s02 vs s01" in table and "2.00x" in table
+    assert "speedup 2.00x (outside the run-to-run spread)" in table
+    assert "s02 vs hf: completion throughput speedup 1.05x (within the noise:" in table
+
+
+# ----------------------------------------------------------------------------- workloads
+
+def test_unique_prompts_get_a_suffix():
+    reqs = build_workload(FakeTokenizer(), prompt="Hi", num_requests=3, unique_prompts=True, max_new_tokens=4)
+    assert [r.prompt for r in reqs] == ["Hi #0", "Hi #1", "Hi #2"]
+    assert all(r.prompt_token_ids is None and r.params.max_new_tokens == 4 and r.params.greedy for r in reqs)
+
+
+def test_random_lengths_in_range_and_reproducible():
+    kwargs = dict(num_requests=20, prompt_len_range=(5, 9), max_new_tokens=2)
+    a = build_workload(FakeTokenizer(), seed=3, **kwargs)
+    b = build_workload(FakeTokenizer(), seed=3, **kwargs)
+    c = build_workload(FakeTokenizer(), seed=4, **kwargs)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in c]
+    assert all(5 <= len(r.prompt_token_ids) <= 9 for r in a)
+    assert len({len(r.prompt_token_ids) for r in a}) > 1
+    assert all(1000 <= t < 5000 for r in a for t in r.prompt_token_ids)  # no special / low / added ids
+
+
+def test_long_every_and_eos_flag():
+    reqs = build_workload(FakeTokenizer(), num_requests=9, max_new_tokens=10, long_every=4, long_max_new_tokens=100,
+                          stop_on_eos=False)
+    assert [r.params.max_new_tokens for r in reqs] == [100, 10, 10, 10, 100, 10, 10, 10, 100]
+    assert not any(r.params.stop_on_eos for r in reqs)
+
+
+def test_pretok_base_token_ids_same_ids_different_text():
+    reqs = build_workload(FakeTokenizer(), prompt="Hello", num_requests=3, unique_prompts=True, max_new_tokens=1,
+                          pretok=True, pretok_base_token_ids=True)
+    assert len({r.prompt for r in reqs}) == 3
+    assert all(r.prompt_token_ids == FakeTokenizer().encode("Hello") for r in reqs)
+    plain = build_workload(FakeTokenizer(), prompt="Hello", num_requests=2, unique_prompts=True, max_new_tokens=1,
+                           pretok=True)
+    assert plain[0].prompt_token_ids != plain[1].prompt_token_ids
+    with pytest.raises(ValueError, match="^pretok_base_token_ids"):
+        build_workload(FakeTokenizer(), num_requests=1, max_new_tokens=1, pretok_base_token_ids=True)
+
+
+def test_shared_prefix_and_repeats():
+    reqs = build_workload(FakeTokenizer(), num_requests=6, prompt_len_range=(12, 20), shared_prefix_len=8,
+                          repeat_prompts=2, max_new_tokens=1)
+    prefixes = {tuple(r.prompt_token_ids[:8]) for r in reqs}
+    assert len(prefixes) == 1
+    ids = [tuple(r.prompt_token_ids) for r in reqs]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and len(set(ids)) == 3
+    with pytest.raises(ValueError, match="^num_requests"):
+        build_workload(FakeTokenizer(), num_requests=0, max_new_tokens=1)
+
+
+# ----------------------------------------------------------------------------- harness
+
+def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
+    from common.bench import run_stage_bench
+
+    out = tmp_path / "sub" / "out.json"
+    run_stage_bench("fake_s02", ["--compare", "--baseline", "hf", "--warmup-runs", "1", "--repeat-runs", "2",
+                                 "--block-size", "32", "--json", str(out)])
+    data = json.loads(out.read_text())
+    for key in ("stage", "model", "device", "dtype", "config", "env", "requests", "prompt_tokens",
+                "completion_tokens", "wall_s", "throughput_tok_s", "kv", "runs", "compare", "ratios", "correctness"):
+        assert key in data, key
+    assert data["stage"] == "fake_s02" and data["model"] == "fake" and data["device"] == "cpu"
+    assert data["requests"] == 5 and data["completion_tokens"] == 15  # BENCH defaults
+    assert set(data["throughput_tok_s"]) == {"completion", "total"}
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
+        assert set(data[key]) == {"p50", "p95", "p99"}, key
+    assert data["config"]["block_size"] == 32 and data["config"]["compare"] is True
+    assert {"git_commit", "git_dirty", "torch", "transformers", "device_name", "cpu_model",
+            "torch_threads", "cpu_count"} <= set(data["env"])
+    assert len(data["runs"]) == 2 and data["kv"] == {"peak_kv_bytes": 2**20}
+    assert [c["engine"] for c in data["compare"]] == ["fake_s01", "hf_generate"]
+    for entry in data["compare"]:
+        assert {"throughput_tok_s", "ttft_ms", "runs", "requests"} <= set(entry)
+    assert set(data["ratios"]) == {"fake_s01", "hf_generate"}
+    assert data["correctness"] == {"checked": True, "equal": True, "mismatches": {}}
+    assert PagedFakeEngine.seen and all(s == {"block_size": 32} for s in PagedFakeEngine.seen)
+    text = capsys.readouterr().out
+    assert text.count("=== streaming benchmark ===") == 3
+    assert "=== warmup 1/1 ===" in text and "=== run 2/2 ===" in text
+    assert "fake_s01 takes no block_size" in text  # knob not offered to an engine without it
+    assert "=== comparison" in text and "fake_s02 vs fake_s01" in text
+
+
+def test_token_mismatch_is_reported_not_fatal(fake_stages, capsys):
+    from common.bench import run_stage_bench
+
+    fake_stages["first"].InferenceEngine = WrongEngine
+    result = run_stage_bench("fake_s02", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1"])
+    assert result["correctness"]["equal"] is False
+    assert result["correctness"]["mismatches"]["fake_s01"]["request"] == 0
+    assert "WARNING: token ids differ between fake_s02 and fake_s01 at request 0" in capsys.readouterr().err
+
+
+def test_flags_override_bench_defaults(fake_stages):
+    from common.bench import run_stage_bench
+
+    result = run_stage_bench("fake_s02", ["--num-requests", "2", "--prompt-len-min", "4", "--prompt-len-max", "6",
+                                          "--warmup-runs", "0", "--repeat-runs", "1"])
+    assert result["requests"] == 2 and result["completion_tokens"] == 6
+    assert 8 <= result["prompt_tokens"] <= 12
+    assert result["compare"] == [] and result["correctness"] == {"checked": False, "equal": True, "mismatches": {}}
+
+
+# ----------------------------------------------------------------------------- registry, cli, env
+
+def test_stage_registry_names():
+    assert registry.stage_package(2) == registry.stage_package("02") == "stages.s02_kv_cache"
+    assert registry.stage_package("s02_kv_cache") == registry.stage_package("stages.s02_kv_cache")
+    assert registry.previous_stage("stages.s02_kv_cache") == "stages.s01_naive_batching"
+    assert registry.previous_stage(1) is None
+    assert list(registry.STAGES) == list(range(1, 10))
+    with pytest.raises(ValueError, match="^stage"):
+        registry.stage_package("s10_nothing")
+
+
+def test_cli_hands_bench_flags_over_untouched(monkeypatch):
+    import common.bench
+    from common import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "resolve_stage", lambda stage: f"pkg-{stage}")
+    monkeypatch.setattr(common.bench, "run_stage_bench", lambda pkg, argv: seen.update(pkg=pkg, argv=argv))
+    assert cli.main(["bench", "--num-requests", "4", "--stage", "2", "--prompt", "a b"]) == 0
+    assert seen == {"pkg": "pkg-2", "argv": ["--num-requests", "4", "--prompt", "a b"]}
+
+
+def test_collect_env_fields():
+    from common.envinfo import collect_env
+
+    env = collect_env("cpu")
+    assert env["device_name"] == "cpu" and env["torch"] == torch.__version__ and env["cpu_count"] >= 1
+    assert env["git_dirty"] in (True, False, None)
+
+
+# ----------------------------------------------------------------------------- HF baseline
+
+def _greedy_no_eos(hf_model, prompt_ids: list[int], n: int) -> list[int]:
+    """Reference for stop_on_eos=False: plain argmax loop, full forward each step."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def test_hf_baseline_matches_hf_generate_one_at_a_time(tiny, hf_tiny):
+    from common.hf_baseline import HFGenerateEngine
+    from conftest import run_hf_greedy
+
+    requests = build_workload(tiny.tokenizer, num_requests=5, prompt_len_range=(3, 30), max_new_tokens=8, seed=7)
+    for r, n in zip(requests, [8, 3, 6, 8, 5]):
+        r.params.max_new_tokens = n
+    # Make a token the model really emits the EOS, so stopping and trimming are exercised.
+    first = HFGenerateEngine(tiny, max_batch_size=8).generate(copy.deepcopy(requests))
+    eos = first[0].token_ids[2]
+    loaded = copy.copy(tiny)
+    loaded.config = dataclasses.replace(tiny.config, eos_token_ids=(eos,))
+    requests[3].params = SamplingParams(max_new_tokens=8, stop_on_eos=False)  # batch 2 mixes EOS / no-EOS rows
+
+    engine = HFGenerateEngine(loaded, max_batch_size=3)
+    got = engine.generate(copy.deepcopy(requests))
+    for r, c in zip(requests, got):
+        if r.params.stop_on_eos:
+            want = run_hf_greedy(hf_tiny, r.prompt_token_ids, r.params.max_new_tokens, [eos])
+        else:
+            want = _greedy_no_eos(hf_tiny, r.prompt_token_ids, r.params.max_new_tokens)
+            assert len(c.token_ids) == r.params.max_new_tokens
+        assert c.token_ids == want
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == eos and r.params.stop_on_eos else "length")
+        assert len(c.token_timestamps) == len(c.token_ids)
+        assert c.token_timestamps == sorted(c.token_timestamps)
+        assert c.timings["submitted"] <= c.timings["first_token"] == c.token_timestamps[0]
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 3
+    assert engine.kv_stats()["peak_kv_bytes"] > 0

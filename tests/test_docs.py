@@ -1,0 +1,241 @@
+"""The docs hook (docs/hooks/stagewise.py): diffs, includes and result tables render as promised.
+
+Why: the site's promise is that nothing on it is pasted. Diffs come from the code and numbers
+from committed JSON. These tests pin the directive behaviour without running a full mkdocs build
+(`make test` runs `mkdocs build --strict` for that).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "docs" / "hooks"))
+
+import stagewise as hook  # noqa: E402
+import stagewise_results as results  # noqa: E402
+
+SAMPLE = "tests/data/sample_result.json"
+
+
+def _sample() -> dict:
+    return json.loads((REPO / SAMPLE).read_text())
+
+
+@pytest.fixture
+def two_stages(tmp_path: Path) -> Path:
+    """A fake repo with two small stage directories one idea apart."""
+    a, b = tmp_path / "stages" / "s01_alpha", tmp_path / "stages" / "s02_beta"
+    for d in (a, b):
+        (d / "__pycache__").mkdir(parents=True)
+        (d / "same.py").write_text("X = 1\n")
+        (d / "__pycache__" / "junk.py").write_text(f"junk in {d.name}\n")
+        (d / "notes.txt").write_text(f"not python: {d.name}\n")
+    (a / "engine.py").write_text("def step(x):\n    return x + 1\n")
+    (b / "engine.py").write_text("def step(x):\n    # cached now\n    return x + 2\n")
+    (b / "kv_cache.py").write_text("class Cache:\n    pass\n")
+    return tmp_path
+
+
+# ----------------------------------------------------------------------------- stage diffs
+def test_stage_diff_renders_unified_diff_of_python_files(two_stages: Path) -> None:
+    md = hook.render_stage_diff(two_stages, "s01_alpha", "s02_beta")
+    assert "```diff" in md
+    assert "diff -ru stages/s01_alpha/engine.py stages/s02_beta/engine.py" in md
+    assert "--- stages/s01_alpha/engine.py" in md and "+++ stages/s02_beta/engine.py" in md
+    assert "-    return x + 1" in md and "+    return x + 2" in md and "+    # cached now" in md
+    assert "Only in stages/s02_beta: kv_cache.py" in md
+    assert "same.py" not in md  # identical files do not appear, as with diff -ru
+    assert "junk" not in md and "__pycache__" not in md and "notes.txt" not in md
+    assert "| `engine.py` | changed | +2 | −1 |" in md
+    assert "| `kv_cache.py` | new | +2 | — |" in md
+
+
+def test_stage_diff_accepts_stages_prefix_and_reports_no_difference(two_stages: Path) -> None:
+    md = hook.render_stage_diff(two_stages, "stages/s01_alpha", "stages/s01_alpha")
+    assert "No differences" in md
+
+
+def test_stage_diff_missing_dir_fails_strict_and_notes_otherwise(two_stages: Path) -> None:
+    with pytest.raises(hook.DocsError, match="s09_missing"):
+        hook.render_stage_diff(two_stages, "s01_alpha", "s09_missing")
+    md = hook.render_stage_diff(two_stages, "s01_alpha", "s09_missing", strict=False)
+    assert md.startswith('!!! note "Stage not built yet"') and "s09_missing" in md
+
+
+def test_diff_fence_outgrows_backticks_in_the_code(tmp_path: Path) -> None:
+    for name, body in (("s01_a", 'DOC = "```"\n'), ("s02_b", 'DOC = "````"\n')):
+        (tmp_path / "stages" / name).mkdir(parents=True)
+        (tmp_path / "stages" / name / "m.py").write_text(body)
+    md = hook.render_stage_diff(tmp_path, "s01_a", "s02_b")
+    assert "`````diff" in md
+
+
+# ----------------------------------------------------------------------------- includes
+def test_include_whole_file_symbol_and_missing(two_stages: Path) -> None:
+    md = hook.render_include(two_stages, "stages/s02_beta/engine.py")
+    assert md.startswith('```python title="stages/s02_beta/engine.py"') and "return x + 2" in md
+    md = hook.render_include(two_stages, "stages/s02_beta/kv_cache.py::Cache")
+    assert 'title="stages/s02_beta/kv_cache.py · Cache"' in md and "class Cache:" in md
+    note = hook.render_include(two_stages, "stages/s03_gamma/engine.py")
+    assert note.startswith('!!! note "Not built yet"')
+    with pytest.raises(hook.DocsError):
+        hook.render_include(two_stages, "stages/s03_gamma/engine.py", strict=True)
+
+
+def test_extract_symbol_methods_assignments_and_decorators() -> None:
+    src = (
+        "import x\n\nCHANGES: list[str] = ['a.py']\n\n"
+        "class Engine:\n    @staticmethod\n    def run(a):\n        return a\n\n    def other(self):\n        pass\n"
+    )
+    assert hook.extract_symbol(src, "CHANGES") == "CHANGES: list[str] = ['a.py']"
+    assert hook.extract_symbol(src, "Engine.run") == "@staticmethod\ndef run(a):\n    return a"
+    with pytest.raises(hook.DocsError, match="nope"):
+        hook.extract_symbol(src, "Engine.nope")
+
+
+# ----------------------------------------------------------------------------- results
+def test_bench_results_table_from_sample_json() -> None:
+    data = _sample()
+    md = results.render_bench_results(REPO, SAMPLE, "stages/02-kv-cache.md")
+    # the command, rebuilt from `config`
+    assert "python -m stages.s02_kv_cache.bench" in md and "--compare" in md and "--baseline hf" in md
+    assert "--no-stop-on-eos" in md and "--tokenize-workers" not in md  # offline run: no streaming flags
+    # the environment line
+    assert f"commit `{data['env']['git_commit'][:10]}`" in md
+    assert data["env"]["cpu_model"] in md and "torch 2.13.0" in md and "2 threads" in md
+    # the metrics table: medians with the spread over runs
+    ttft = data["ttft_ms"]["p50"]
+    lo = min(r["ttft_ms"]["p50"] for r in data["runs"])
+    hi = max(r["ttft_ms"]["p50"] for r in data["runs"])
+    assert f"| TTFT (ms) | {ttft:,.2f} <small>({lo:,.2f}–{hi:,.2f})</small>" in md
+    assert "| Prefill → first token (ms) |" in md and "| Queue wait, post-tok (ms) |" in md
+    assert f"{data['throughput_tok_s']['completion']:,.2f}" in md
+    # the link to the raw JSON is relative to the page
+    assert "](../../tests/data/sample_result.json)" in md
+
+
+def test_bench_results_side_by_side_ratios_favour_this_stage_above_one() -> None:
+    data = _sample()
+    md = results.render_bench_results(REPO, SAMPLE, "stages/02-kv-cache.md")
+    assert "× vs `s01_naive_batching`" in md and "× vs `hf_generate`" in md
+    hf = next(c for c in data["compare"] if c["engine"] == "hf_generate")
+    thr = data["throughput_tok_s"]["completion"] / hf["throughput_tok_s"]["completion"]
+    ttft = hf["ttft_ms"]["p50"] / data["ttft_ms"]["p50"]
+    row = next(line for line in md.splitlines() if line.startswith("| Throughput, completion"))
+    assert row.rstrip(" |").endswith(f"{thr:.2f}×")
+    row = next(line for line in md.splitlines() if line.startswith("| TTFT p50"))
+    assert row.rstrip(" |").endswith(f"{ttft:.2f}×")
+    assert "Correctness, checked before timing" in md
+
+
+def test_missing_result_json_gives_admonition_with_command(tmp_path: Path) -> None:
+    md = results.render_bench_results(tmp_path, "docs/results/s02_kv_cache.cpu.json")
+    assert md.startswith('!!! warning "No committed result yet"')
+    assert "python -m stages.s02_kv_cache.bench --compare --json docs/results/s02_kv_cache.cpu.json" in md
+    md = results.render_bench_results(tmp_path, "docs/results/s07_x.cuda.json", command="make it so")
+    assert "make it so" in md
+    assert "--device cuda" in results.default_command("docs/results/s07_x.cuda.json")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"stage": "s02_kv_cache"}', "throughput_tok_s"),
+])
+def test_malformed_result_json_fails(tmp_path: Path, text: str, match: str) -> None:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "bad.json").write_text(text)
+    with pytest.raises(results.DocsError, match=match):
+        results.render_bench_results(tmp_path, "docs/results/bad.json")
+
+
+def test_malformed_compare_entry_fails(tmp_path: Path) -> None:
+    data = _sample()
+    del data["compare"][0]["ttft_ms"]
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    with pytest.raises(results.DocsError, match="compare"):
+        results.render_bench_results(tmp_path, "r.json")
+
+
+def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
+    data = _sample()
+    assert results.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p99") == f"{data['ttft_ms']['p99']:.2f}"
+    s01 = data["compare"][0]
+    assert results.render_bench_value(REPO, f"{SAMPLE} compare.s01_naive_batching.tpot_ms.p50") \
+        == f"{s01['tpot_ms']['p50']:.2f}"
+    assert results.render_bench_value(REPO, f"{SAMPLE} compare.0.tpot_ms.p50") == f"{s01['tpot_ms']['p50']:.2f}"
+    ratio = s01["ttft_ms"]["p50"] / data["ttft_ms"]["p50"]
+    assert results.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 ttft_ms.p50") \
+        == f"{ratio:.2f}×"
+    with pytest.raises(results.DocsError, match="no key"):
+        results.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p42")
+    with pytest.raises(results.DocsError, match="not a number"):
+        results.render_bench_value(REPO, f"{SAMPLE} stage")
+    assert results.render_bench_value(tmp_path, "docs/results/none.json ttft_ms.p50") == "*pending*"
+
+
+def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
+    assert "Ladder chart not committed yet" in hook.render_ladder_chart(tmp_path, "", "index.md")
+    assert "No committed result yet" in hook.render_ladder_table(tmp_path, "", "ladder.md")
+    out = tmp_path / "docs" / "results"
+    out.mkdir(parents=True)
+    (out / "ladder.cpu.png").write_bytes(b"\x89PNG")
+    assert "](results/ladder.cpu.png)" in hook.render_ladder_chart(tmp_path, "", "index.md")
+    entry = {k: _sample()[k] for k in ("throughput_tok_s", "ttft_ms", "tpot_ms", "kv")}
+    (out / "ladder.cpu.json").write_text(json.dumps({"entries": [{"engine": "s02_kv_cache", **entry}]}))
+    assert "| `s02_kv_cache` |" in hook.render_ladder_table(tmp_path, "", "ladder.md")
+    (out / "ladder.cpu.json").write_text(json.dumps({"entries": []}))
+    with pytest.raises(results.DocsError):
+        hook.render_ladder_table(tmp_path, "", "ladder.md")
+
+
+# ----------------------------------------------------------------------------- expansion
+def test_expand_keeps_indentation_skips_fences_and_rejects_inline_blocks(two_stages: Path) -> None:
+    md = (
+        '=== "CPU"\n\n    <!-- bench-results: docs/results/none.json -->\n\n'
+        "```markdown\n<!-- stage-diff: s01_alpha s02_beta -->\n```\n"
+    )
+    out = hook.expand(md, two_stages, "stages/x.md")
+    assert '\n    !!! warning "No committed result yet"\n' in out
+    assert "\n        python -m stages.none.bench" in out  # the admonition body, indented inside the tab
+    assert "```markdown\n<!-- stage-diff: s01_alpha s02_beta -->\n```" in out  # untouched in a fence
+    with pytest.raises(hook.DocsError, match="alone on its line"):
+        hook.expand("text <!-- stage-diff: s01_alpha s02_beta --> text", two_stages)
+    assert hook.expand("a | <!-- bench-value: none.json x.y --> |", two_stages) == "a | *pending* |"
+
+
+def _mkdocs_config() -> dict:
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    return yaml.load((REPO / "mkdocs.yml").read_text(), Loader=Loader)
+
+
+def _nav_files(nav) -> list[str]:
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, list):
+        return [f for item in nav for f in _nav_files(item)]
+    if isinstance(nav, dict):
+        return [f for v in nav.values() for f in _nav_files(v)]
+    return []
+
+
+def test_every_nav_page_exists_and_uses_only_known_directives() -> None:
+    cfg = _mkdocs_config()
+    pages = _nav_files(cfg["nav"])
+    assert len([p for p in pages if p.startswith("stages/")]) == 9
+    known = set(hook.BLOCK + hook.INLINE)
+    for page in pages:
+        text = (REPO / "docs" / page).read_text()
+        for name in re.findall(r"<!--\s*([a-z-]+)\s*:", text):
+            assert name in known, f"docs/{page}: unknown directive {name!r}"
+    assert "docs/hooks/stagewise.py" in cfg["hooks"]

