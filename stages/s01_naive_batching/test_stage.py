@@ -13,8 +13,10 @@ import random
 import torch
 
 from common.requests import Request, SamplingParams
-from conftest import run_hf_greedy
-from stages.s01_naive_batching import InferenceEngine
+from conftest import run_hf_greedy, stage_module
+
+# Loaded by name: no file of a stage may `import stages...` (tests/test_diff_discipline.py).
+InferenceEngine = stage_module("s01_naive_batching").InferenceEngine
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

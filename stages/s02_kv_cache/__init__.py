@@ -10,7 +10,7 @@ attention.py, and adds kv_cache.py.
 from .engine import InferenceEngine
 
 # Files that differ from the previous stage.
-CHANGES: list[str] = ["__init__.py", "engine.py", "attention.py", "kv_cache.py"]
+CHANGES: list[str] = ["__init__.py", "engine.py", "attention.py", "kv_cache.py", "test_stage.py"]
 
 # Default workload of this stage's benchmark (flags override): small enough for a laptop CPU.
 BENCH: dict = {

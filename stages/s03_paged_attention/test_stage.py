@@ -17,8 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from common.requests import Request, SamplingParams, prepare_prompt
-from stages.s03_paged_attention import BlockAllocator, InferenceEngine, KVBlockPool, OutOfKVBlocks
-from stages.s03_paged_attention.attention import DecodeAttention, PrefillAttention
+from conftest import stage_module
+
+# Loaded by name: no file of a stage may `import stages...` (tests/test_diff_discipline.py).
+_stage = stage_module("s03_paged_attention")
+BlockAllocator, InferenceEngine, KVBlockPool, OutOfKVBlocks = (
+    _stage.BlockAllocator, _stage.InferenceEngine, _stage.KVBlockPool, _stage.OutOfKVBlocks)
+_attention = stage_module("s03_paged_attention.attention")
+DecodeAttention, PrefillAttention = _attention.DecodeAttention, _attention.PrefillAttention
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -181,7 +181,15 @@ class SchedulerManager:
         self._worker.join(timeout)
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=True)
-        self._cancel_everything()  # the worker is gone (or stuck): end whatever is left
+        if not self._worker.is_alive():
+            self._cancel_everything()  # the worker is gone: end whatever is left
+            return
+        # Still inside a long step: the scheduler belongs to the worker (not thread-safe), so here we
+        # only end the handles; the worker gives their blocks back when the step returns and it exits.
+        with self._lock:
+            left = list(self._queues)
+        for rid in left:
+            self._end_unscheduled(rid)
 
     def __enter__(self) -> "SchedulerManager":
         return self
@@ -238,7 +246,13 @@ class SchedulerManager:
             self._finish(rid)
 
     def _run_decode_once(self) -> None:
-        step_tokens = self.scheduler.step()
+        try:
+            step_tokens = self.scheduler.step()
+        except Exception as exc:  # e.g. out of device memory: the running requests fail, the worker goes on
+            for rid in self.scheduler.request_ids():
+                self.scheduler.discard_request(rid)  # their blocks go back to the pool
+                self._fail(rid, exc)
+            return
         finished_ids = self.scheduler.pop_finished_ids()
         for rid, token_id in step_tokens.items():
             self._on_token(rid, token_id)

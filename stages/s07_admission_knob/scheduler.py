@@ -60,6 +60,8 @@ class OnlineScheduler:
                     submitted: float | None = None) -> int:
         """Admit a prepared session: book its worst-case blocks, prefill, sample its first token."""
         eng = self.engine
+        if request_id is not None and request_id in self._sessions:
+            raise ValueError(f"request_id {request_id} is already in use")  # the old session would leak
         eng.reserve(session)  # raises OutOfKVBlocks, leaving nothing behind
         now = time.perf_counter()
         session.timings.setdefault("submitted", now if submitted is None else submitted)

@@ -189,7 +189,15 @@ class SchedulerManager:
         self._worker.join(timeout)
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=True)
-        self._cancel_everything()  # the worker is gone (or stuck): end whatever is left
+        if not self._worker.is_alive():
+            self._cancel_everything()  # the worker is gone: end whatever is left
+            return
+        # Still inside a long step: the scheduler belongs to the worker (not thread-safe), so here we
+        # only end the handles; the worker gives their blocks back when the step returns and it exits.
+        with self._lock:
+            left = list(self._queues)
+        for rid in left:
+            self._end_unscheduled(rid)
 
     def __enter__(self) -> "SchedulerManager":
         return self
@@ -208,7 +216,7 @@ class SchedulerManager:
             self._admit_pending()
             if self.scheduler.has_unfinished():
                 self._run_decode_once()
-            else:
+            elif not self._waiting:  # a request waiting for KV blocks is retried at once: nothing holds them now
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
         self._cancel_everything()
@@ -224,6 +232,7 @@ class SchedulerManager:
                 break
         if not batch:
             return
+        idle = not self.scheduler.has_unfinished()  # then only prefix-cache entries (evictable) hold blocks
         requests = [
             OnlineRequest(prompt=p.request.prompt, prompt_token_ids=p.request.prompt_token_ids, params=p.request.params,
                           request_id=p.request_id, submitted=p.timings["submitted"])
@@ -233,12 +242,12 @@ class SchedulerManager:
             results = self.scheduler.add_requests(requests)
         except Exception as exc:  # the batched prefill itself failed: every request of the burst gets the error
             results = [exc] * len(batch)
-        for p, result in zip(batch, results):
+        for i, (p, result) in enumerate(zip(batch, results)):
             if isinstance(result, OutOfKVBlocks):
-                if not self.scheduler.has_unfinished():  # nothing will ever free blocks for it
+                if idle and i == 0:  # the first of the burst, and the pool was as free as it gets: it never fits
                     self._fail(p.request_id, ValueError(f"kv cache: request {p.request_id} does not fit in the KV pool"))
-                else:
-                    self._waiting.append(p)  # waits for running requests to free blocks
+                else:  # waits for the blocks of running requests, or of its own burst (even finished ones)
+                    self._waiting.append(p)
                 continue
             if isinstance(result, BaseException):
                 self._fail(p.request_id, result)
@@ -253,7 +262,13 @@ class SchedulerManager:
             self._finish(rid)
 
     def _run_decode_once(self) -> None:
-        step_tokens = self.scheduler.step()
+        try:
+            step_tokens = self.scheduler.step()
+        except Exception as exc:  # e.g. out of device memory: the running requests fail, the worker goes on
+            for rid in self.scheduler.request_ids():
+                self.scheduler.discard_request(rid)  # their blocks go back to the pool
+                self._fail(rid, exc)
+            return
         finished_ids = self.scheduler.pop_finished_ids()
         for rid, token_id in step_tokens.items():
             self._on_token(rid, token_id)
