@@ -101,6 +101,7 @@ def test_decode_attention_matches_per_sequence_sdpa(scale):
     Hq, Hkv, D, bs = 6, 2, 8, 4
     pool = KVBlockPool(SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D), 32, bs, torch.float32,
                        torch.device("cpu"))
+    pool.k[0].zero_()  # the pool starts uninitialised (torch.empty); layer 0 must stay as we leave it
     free = torch.randperm(32).tolist()  # scattered, out-of-order blocks
     past_lens = [0, 5, 13, 3]
     B = len(past_lens)

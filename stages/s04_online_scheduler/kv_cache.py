@@ -8,8 +8,6 @@ is full. Short sequences hold little memory, and freed blocks are reused at once
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from common.config import ModelConfig
@@ -29,7 +27,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: the last freed is reused first
         self.ref_counts = [0] * num_blocks
         self.reserved = 0
 
@@ -54,7 +52,7 @@ class BlockAllocator:
         """Take one booked block (the caller reserved it earlier)."""
         if self.reserved <= 0:  # an allocation nobody booked would eat someone else's reservation
             raise RuntimeError("KV block allocated without a reservation: the worst-case accounting is wrong")
-        block = self._free.popleft()
+        block = self._free.pop()
         self.reserved -= 1
         self.ref_counts[block] = 1
         return block
@@ -74,8 +72,10 @@ class KVBlockPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # torch.empty: a slot is always written before it is read, and blocks nobody has used yet
+        # are never touched — so the OS does not even back them with memory.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * self.k[0].element_size()

@@ -23,6 +23,9 @@ from .kv_cache import KVBlockPool, OutOfKVBlocks
 from .prefix_cache import PrefixCache, PrefixCacheKey
 
 
+DEFAULT_TOKENS_PER_SLOT = 1024  # default KV pool: this many tokens per decode slot (see _num_blocks)
+
+
 @dataclass
 class InferenceSession:
     """One request's decoding state. It owns its KV blocks through `block_table`."""
@@ -122,17 +125,24 @@ class InferenceEngine:
         self._peak_blocks = 0
 
     def _num_blocks(self, block_size: int, concurrency: int | None, num_blocks: int | None) -> int:
-        """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob)."""
+        """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob).
+
+        Neither given: room for every decode slot to hold DEFAULT_TOKENS_PER_SLOT tokens, and at
+        least one full-context sequence — not max_batch_size full contexts, which for an 8k-context
+        model would reserve gigabytes that short requests never touch (paging's whole point).
+        """
         if num_blocks is not None and concurrency is not None:
             raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
         if num_blocks is not None:
             if int(num_blocks) <= 0:
                 raise ValueError("num_kv_blocks must be positive")
             return int(num_blocks)
-        concurrency = self.max_batch_size if concurrency is None else int(concurrency)
-        if concurrency <= 0:
+        if concurrency is None:
+            tokens = max(self.max_batch_size * min(self.max_model_len, DEFAULT_TOKENS_PER_SLOT), self.max_model_len)
+            return -(-tokens // int(block_size))
+        if int(concurrency) <= 0:
             raise ValueError("kv_cache_max_concurrency must be positive")
-        return concurrency * -(-self.max_model_len // int(block_size))
+        return int(concurrency) * -(-self.max_model_len // int(block_size))
 
     def kv_stats(self) -> dict:
         """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""

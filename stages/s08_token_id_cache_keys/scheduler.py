@@ -101,6 +101,8 @@ class OnlineScheduler:
         admitted: list[tuple[int, "InferenceSession"]] = []
         for req in requests:
             try:
+                if req.request_id is not None and (req.request_id in self._sessions or req.request_id in results):
+                    raise ValueError(f"request_id {req.request_id} is already in use")  # the old session would leak
                 session = eng.new_session(req, prepare_prompt(req, eng.tokenizer, eng.max_model_len))
                 eng.reserve(session)
             except Exception as exc:
