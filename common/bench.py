@@ -39,7 +39,7 @@ ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
 class EngineSpec:
     """One engine in a comparison: how to build it, the engine itself, and its run summaries."""
     name: str                              # "s02_kv_cache" or "hf_generate"
-    factory: Callable[[], Any]             # builds the engine (once, or per run with --fresh-engine)
+    factory: Callable[[], Any]             # builds the engine (per run, or once with --reuse-engine)
     module: ModuleType | None = None       # the stage package (None for the HF baseline)
     engine: Any = None
     knobs: dict = field(default_factory=dict)  # the engine knobs its constructor accepted
@@ -77,7 +77,10 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--prefix-cache-max-entries", type=int, default=None)
     g.add_argument("--no-prefix-cache", action="store_true", help="prefix_cache_max_entries=0")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
-    g.add_argument("--fresh-engine", action="store_true", help="new engine per run (no cache carried over)")
+    # A fresh engine per run (the model stays loaded): caches start cold, as in the posts' one run
+    # per process; otherwise a warmup run would turn every timed request into a prefix-cache hit.
+    g.add_argument("--reuse-engine", dest="fresh_engine", action="store_false",
+                   help="keep one engine across warmup and repeats (its caches stay warm)")
     g = p.add_argument_group("method")
     g.add_argument("--mode", choices=["offline", "streaming"], default=None,
                    help="offline generate() or streaming SchedulerManager (default: streaming when the stage has one)")
