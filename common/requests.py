@@ -98,7 +98,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS) | "length"
+    finish_reason: str  # "stop" (EOS) | "length" | "cancelled" (SchedulerManager.cancel or close)
     token_timestamps: list[float] = field(default_factory=list)  # one per generated token
     truncated: bool = False  # prompt was cut to its last max_model_len tokens
     # any subset of: "submitted", "tokenized", "scheduled" (prefill start), "first_token", "finished"

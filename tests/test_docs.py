@@ -239,3 +239,17 @@ def test_every_nav_page_exists_and_uses_only_known_directives() -> None:
         for name in re.findall(r"<!--\s*([a-z-]+)\s*:", text):
             assert name in known, f"docs/{page}: unknown directive {name!r}"
     assert "docs/hooks/stagewise.py" in cfg["hooks"]
+
+
+def test_stage_pages_use_strict_directives_and_the_committed_result_names() -> None:
+    """All nine stages exist now: a renamed symbol or stage must fail the build, not show a note."""
+    stage_dirs = sorted(p.name for p in (REPO / "stages").glob("s0*_*") if p.is_dir())
+    pages = sorted((REPO / "docs" / "stages").glob("*.md"))
+    assert len(stage_dirs) == len(pages) == 9
+    for i, (stage, page) in enumerate(zip(stage_dirs, pages)):
+        text = page.read_text()
+        assert "-if-present" not in text, f"{page.name}: use the strict directives"
+        assert f"<!-- bench-results: docs/results/{stage}.cpu.json" in text, page.name
+        assert re.search(rf"<!-- include: stages/{stage}/\S+::\S+ -->", text), f"{page.name}: no symbol include"
+        if i:
+            assert f"<!-- stage-diff: {stage_dirs[i - 1]} {stage} -->" in text, page.name

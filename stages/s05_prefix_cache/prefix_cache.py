@@ -27,7 +27,7 @@ PrefixCacheKey = str
 @dataclass
 class PrefixCacheEntry:
     block_table: list[int]  # the prompt's blocks; the cache holds one reference to each
-    num_tokens: int  # prompt length: slots [0, num_tokens) of the table are valid
+    prompt_ids: tuple[int, ...]  # what was prefilled: slots [0, len(prompt_ids)) of the table are valid
     last_logits: torch.Tensor  # [V] logits of the prompt's last token
 
 
@@ -52,12 +52,14 @@ class PrefixCache:
     def attach(self, key: PrefixCacheKey, session: "InferenceSession") -> torch.Tensor | None:
         """On a hit, give the session the cached blocks (shared, read-only) and return the cached logits [V]."""
         entry = self._entries.get(key) if self.max_entries else None
-        if entry is None:
+        # The same key must mean the same tokens: a text key with different token ids (a caller's
+        # own tokenization) would otherwise reuse the wrong K/V. Such a lookup is a miss.
+        if entry is None or entry.prompt_ids != tuple(session.prompt_ids):
             self.misses += 1
             return None
         self.hits += 1
         self._entries.move_to_end(key)
-        session.attach_blocks(entry.block_table, entry.num_tokens)
+        session.attach_blocks(entry.block_table, len(entry.prompt_ids))
         return entry.last_logits.clone()  # the caller may sample from it in place
 
     def put(self, key: PrefixCacheKey, session: "InferenceSession", last_logits: torch.Tensor) -> None:
@@ -71,7 +73,7 @@ class PrefixCache:
         blocks = session.block_table[:n_blocks]
         for block in blocks:
             self.pool.allocator.incref(block)
-        self._entries[key] = PrefixCacheEntry(blocks, session.num_cached, last_logits.detach().clone())
+        self._entries[key] = PrefixCacheEntry(blocks, tuple(session.prompt_ids), last_logits.detach().clone())
         while len(self._entries) > self.max_entries:
             self.evict_one()
 

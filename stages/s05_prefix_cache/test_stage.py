@@ -224,3 +224,14 @@ def test_cache_on_and_off_give_identical_tokens(tiny, hf_greedy):
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     for r, c in zip(reqs[:-1], on):
         assert c.token_ids == hf_greedy(c.prompt_token_ids, r.params.max_new_tokens)
+
+
+def test_same_text_with_different_token_ids_is_not_a_false_hit(tiny, hf_greedy):
+    """The key is the text, but an entry remembers its tokens: a different tokenization is a miss."""
+    engine = InferenceEngine(tiny, max_batch_size=2, block_size=4)
+    ids_a, ids_b = encode(tiny.tokenizer, "The capital of France is"), encode(tiny.tokenizer, "Bonjour à tous")
+    first = engine.generate([Request(prompt="same text", prompt_token_ids=ids_a, params=SamplingParams(max_new_tokens=6))])
+    second = engine.generate([Request(prompt="same text", prompt_token_ids=ids_b, params=SamplingParams(max_new_tokens=6))])
+    assert first[0].token_ids == hf_greedy(ids_a, 6)
+    assert second[0].token_ids == hf_greedy(ids_b, 6)  # not ids_a's continuation from the cached entry
+    assert engine.prefix_cache.hits == 0
