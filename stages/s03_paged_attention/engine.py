@@ -2,9 +2,9 @@
 
 Batching is still static, as in stages 01-02. What changed is where K/V live: every request
 is an `InferenceSession` that owns a block table into one shared `KVBlockPool`. A session
-takes blocks as it grows and gives them back when it finishes, so memory follows the tokens
-actually held instead of the batch's worst case, and a batch is only admitted when the pool
-can hold it.
+takes a block only when its last one is full, so memory follows each row's own length instead
+of the batch's longest; a batch is only admitted when the pool can hold it, and gives its
+blocks back when it ends.
 """
 
 from __future__ import annotations
@@ -174,18 +174,20 @@ class InferenceEngine:
         session.reserved = need
 
     def _run_batch(self, sessions: list[InferenceSession]) -> None:
-        """Prefill each prompt into its blocks, then decode the live sessions one token per step."""
+        """Prefill each prompt into its blocks, then decode the whole batch one token per step.
+
+        Static batching, as in stages 01-02: a finished session stays in the batch — its row is
+        still computed — until the longest member is done; then the batch's blocks go back.
+        """
         logits = torch.cat([self.prefill(s) for s in sessions])  # [B, V]
-        live = sessions
         while True:
-            self.sample_and_record(live, logits)
-            for s in live:
-                if s.finished:
-                    s.release_kv_blocks()  # its memory is free at once (the batch still waits for the rest)
-            live = [s for s in live if not s.finished]
-            if not live:
-                return
-            logits = self.decode_step_sessions(live)
+            live = [i for i, s in enumerate(sessions) if not s.finished]
+            self.sample_and_record([sessions[i] for i in live], logits[live])
+            if all(s.finished for s in sessions):
+                break
+            logits = self.decode_step_sessions(sessions)
+        for s in sessions:
+            s.release_kv_blocks()
 
     def prefill(self, session: InferenceSession) -> torch.Tensor:
         """Run one prompt, writing its K/V into its blocks; returns the last logits [1, V]."""
@@ -197,13 +199,19 @@ class InferenceEngine:
         return self.model(ids, positions, PrefillAttention(self.pool, slots), logits_indices=last)
 
     def decode_step_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
-        """One token for each session; returns logits [B, V]."""
+        """One token for each session; returns logits [B, V].
+
+        A finished session still in the batch (static batching keeps it until the batch ends) is
+        fed its last token again and writes nothing: its row is computed and thrown away.
+        """
         ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
         positions = torch.tensor([[s.num_cached] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
-        new_slots = torch.cat([s.take_slots(1) for s in sessions]).to(self.device)  # [B]
+        writers = [i for i, s in enumerate(sessions) if not s.finished]
+        new_slots = torch.cat([sessions[i].take_slots(1) for i in writers]).to(self.device)  # [W]
         context = [s.context_slots() for s in sessions]
         segments = torch.repeat_interleave(torch.arange(len(sessions)), torch.tensor([len(c) for c in context]))
-        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device))
+        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device),
+                                    torch.tensor(writers, device=self.device))
         first = torch.zeros(len(sessions), dtype=torch.long, device=self.device)
         return self.model(ids, positions, attention, logits_indices=first)  # [B, V]
 

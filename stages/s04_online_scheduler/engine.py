@@ -183,13 +183,19 @@ class InferenceEngine:
         return self.model(ids, positions, PrefillAttention(self.pool, slots), logits_indices=last)
 
     def decode_step_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
-        """One token for each session; returns logits [B, V]."""
+        """One token for each session; returns logits [B, V].
+
+        A finished session still in the batch (static batching keeps it until the batch ends) is
+        fed its last token again and writes nothing: its row is computed and thrown away.
+        """
         ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
         positions = torch.tensor([[s.num_cached] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
-        new_slots = torch.cat([s.take_slots(1) for s in sessions]).to(self.device)  # [B]
+        writers = [i for i, s in enumerate(sessions) if not s.finished]
+        new_slots = torch.cat([sessions[i].take_slots(1) for i in writers]).to(self.device)  # [W]
         context = [s.context_slots() for s in sessions]
         segments = torch.repeat_interleave(torch.arange(len(sessions)), torch.tensor([len(c) for c in context]))
-        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device))
+        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device),
+                                    torch.tensor(writers, device=self.device))
         first = torch.zeros(len(sessions), dtype=torch.long, device=self.device)
         return self.model(ids, positions, attention, logits_indices=first)  # [B, V]
 

@@ -39,17 +39,19 @@ class DecodeAttention:
     """A batch of sequences, one new token each, attending over their paged context."""
 
     def __init__(self, pool: KVBlockPool, new_slots: torch.Tensor, context_slots: torch.Tensor,
-                 segments: torch.Tensor) -> None:
+                 segments: torch.Tensor, writers: torch.Tensor | None = None) -> None:
         self.pool = pool
-        self.new_slots = new_slots  # [B]: where each sequence's new K/V go
+        self.new_slots = new_slots  # [W]: where each writing sequence's new K/V go
         self.context_slots = context_slots  # [N]: every sequence's slots end to end (new token included)
         self.segments = segments  # [N]: which sequence (0..B-1) each slot belongs to
+        self.writers = writers  # [W]: rows that store their new K/V (None: all of them)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, 1, Hq, D]; k, v: [B, 1, Hkv, D]
         B, _, Hq, D = q.shape
         Hkv = k.shape[2]
-        self.pool.write(layer_idx, self.new_slots, k[:, 0], v[:, 0])
+        rows = slice(None) if self.writers is None else self.writers
+        self.pool.write(layer_idx, self.new_slots, k[rows, 0], v[rows, 0])
         keys, values = self.pool.gather(layer_idx, self.context_slots)  # [N, Hkv, D]
         seg = self.segments
         qg = q.view(B, Hkv, Hq // Hkv, D)[seg]  # [N, Hkv, G, D]: each key meets its own sequence's query
