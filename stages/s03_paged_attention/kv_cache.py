@@ -90,6 +90,6 @@ class KVBlockPool:
         self.v[layer_idx].view(-1, *v.shape[1:])[slots] = v
 
     def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read K, V at flat slots ([N]) -> [N, Hkv, D] each."""
+        """Read K, V at flat slots ([N]) -> [N, Hkv, D] each (index_select: plain row copies, fast)."""
         k, v = self.k[layer_idx], self.v[layer_idx]
-        return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
+        return torch.index_select(k.view(-1, *k.shape[2:]), 0, slots), torch.index_select(v.view(-1, *v.shape[2:]), 0, slots)

@@ -62,13 +62,13 @@ class DecodeAttention:
         self.pool.write(layer_idx, self.new_slots, k[rows, 0], v[rows, 0])
         keys, values = self.pool.gather(layer_idx, self.context_slots)  # [N, Hkv, D]
         seg = self.segments
-        qg = q.view(B, Hkv, Hq // Hkv, D)[seg]  # [N, Hkv, G, D]: each key meets its own sequence's query
+        qg = torch.index_select(q.view(B, Hkv, Hq // Hkv, D), 0, seg)  # [N, Hkv, G, D]: each key meets its sequence's query
         scores = torch.einsum("nhd,nhgd->nhg", keys, qg) * (1.0 / math.sqrt(D))  # [N, Hkv, G]
         # Softmax within each segment: subtract the segment's max, exponentiate, normalise.
         idx = seg[:, None, None].expand_as(scores)
         seg_max = torch.full((B, *scores.shape[1:]), -math.inf, dtype=scores.dtype, device=scores.device)
         seg_max.scatter_reduce_(0, idx, scores, reduce="amax", include_self=True)  # [B, Hkv, G]
-        p = torch.exp(scores - seg_max[seg])  # [N, Hkv, G]
+        p = torch.exp(scores - torch.index_select(seg_max, 0, seg))  # [N, Hkv, G]
         denom = torch.zeros_like(seg_max).index_add_(0, seg, p)  # [B, Hkv, G]
         out = torch.zeros((B, *qg.shape[1:]), dtype=q.dtype, device=q.device)  # [B, Hkv, G, D]
         out.index_add_(0, seg, p[..., None] * values[:, :, None, :])
