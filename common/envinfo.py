@@ -29,7 +29,9 @@ def _git(*args: str) -> str | None:
 
 def git_info() -> dict:
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain")
+    # Tracked files only: the result JSON being written (and other new, unused files) must not
+    # mark a run made from a clean checkout as dirty.
+    status = _git("status", "--porcelain", "--untracked-files=no")
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 
