@@ -1,0 +1,415 @@
+"""`stagewise ladder`: every stage, plus Hugging Face, on one workload in one process.
+
+The one picture that shows how each idea moves the numbers. The method is the benchmark's
+(common/bench.py): one `load_model()` shared by every engine; fresh copies of one workload for
+every run; correctness before timing (on the first warmup every engine's greedy token ids must
+equal stage 01's); warmups, then repeats that alternate engines (A B C ... A B C ...) so drift
+on a shared machine hits all of them; medians over repeats, every run kept in the JSON.
+
+Every engine goes through the same door, `engine.generate(requests)` (offline: all requests
+at once), so the numbers compare like with like. That door does not show everything: stages
+06, 07 and 09 change how the streaming `SchedulerManager` admits and streams requests, which
+offline `generate()` never uses. `--mode streaming` sends stages 04+ through their manager
+instead (all requests submitted at once), which is where those stages show.
+
+    stagewise ladder --out docs/results                       # smollm2-135m, default workload
+    stagewise ladder --model tiny --out /tmp/ladder           # a quick check (under a minute)
+    stagewise ladder --workload burst --mode streaming --tag --out docs/results
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common import stages as registry
+from common.bench import accepted, wall_seconds, write_json
+from common.envinfo import collect_env
+from common.metrics import median_summary, summarize
+from common.requests import prepare_prompt
+from common.workloads import build_workload, fresh_copies
+
+LONG_PROMPT = (
+    "You are a careful assistant. Answer briefly and precisely. Here is the context for every question "
+    "today: the stagewise engine is built in nine stages; each stage adds one idea to the previous one — a "
+    "KV cache, paged attention, continuous batching, a prefix cache, batched prefill, an admission knob, "
+    "token-id cache keys and batched worker lookups. Question: what does stage five add?")
+
+# name -> (what it shows, build_workload kwargs, engine knobs). Each isolates one effect.
+WORKLOADS: dict[str, tuple[str, dict, dict]] = {
+    "default": ("a small mix: random prompt lengths, 1 request in 8 wants 4x the tokens",
+                dict(num_requests=16, prompt_len_range=(16, 64), max_new_tokens=8, long_every=8,
+                     long_max_new_tokens=32, stop_on_eos=False), {}),
+    "random-lengths": ("padding waste: prompts of 32-256 tokens (stages 02-03)",
+                       dict(num_requests=8, prompt_len_range=(32, 256), max_new_tokens=64, stop_on_eos=False), {}),
+    "mixed-output": ("post 002: 1 request in 8 wants 100 tokens, the rest 10 (stage 04)",
+                     dict(num_requests=32, prompt="Hello", unique_prompts=True, max_new_tokens=10, long_every=8,
+                          long_max_new_tokens=100, stop_on_eos=False), {}),
+    "burst": ("32 unique prompts at once (stages 06-07; use --mode streaming)",
+              dict(num_requests=32, prompt="Summarise the idea of continuous batching for a new engineer, in two "
+                   "sentences", unique_prompts=True, max_new_tokens=8, stop_on_eos=False),
+              {"prefill_max_batch_size": 32}),
+    "repeated-prompts": ("the same long prompt again and again (stage 05)",
+                         dict(num_requests=32, prompt=LONG_PROMPT, max_new_tokens=8, stop_on_eos=False), {}),
+}
+HF_ENGINES = ("hf_generate", "hf_continuous_batching")
+
+
+@dataclass
+class Engine:
+    """One rung of the ladder: how to build it, how to run it once, and what it measured."""
+    name: str
+    label: str                              # short name for the table and chart
+    factory: Callable[[], Any]
+    mode: str = "offline"                   # "offline" generate() or "streaming" SchedulerManager
+    stage: int | None = None
+    module: Any = None
+    engine: Any = None
+    summaries: list[dict] = field(default_factory=list)
+    first_tokens: list[list[int]] | None = None   # token ids of its first run (the correctness check)
+    match: bool | None = None                     # those ids equal the reference engine's
+    error: str | None = None
+
+
+# ----------------------------------------------------------------------------- flags and workload
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stagewise ladder", description="Every stage and Hugging Face on one workload.")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--out", required=True, help="directory for ladder.<device>[.<tag>].{json,png,txt}")
+    p.add_argument("--tag", nargs="?", const="", default=None,
+                   help="add a suffix to the file names (--tag alone: the workload name)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    p.add_argument("--num-requests", type=int, default=None, help="override the workload's")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override the workload's (long ones scale)")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--prefill-max-batch-size", type=int, default=None, help="stage 07+ managers (streaming mode)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool of stages 03+ (default: fits the workload)")
+    p.add_argument("--mode", choices=["offline", "streaming"], default="offline",
+                   help="streaming: stages 04+ through their SchedulerManager (shows stages 06-09)")
+    p.add_argument("--warmup-runs", type=int, default=1)
+    p.add_argument("--repeat-runs", type=int, default=3)
+    p.add_argument("--stages", default=None, help="subset, e.g. 1,2,4 (default: all)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 for the tiny model)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def workload_kwargs(args: argparse.Namespace, max_model_len: int, notes: list[str]) -> dict:
+    """The workload's build_workload kwargs with the CLI overrides, fitted into the context window."""
+    kw = dict(WORKLOADS[args.workload][1])
+    if args.num_requests is not None:
+        kw["num_requests"] = args.num_requests
+    if args.max_new_tokens is not None:
+        if kw.get("long_max_new_tokens"):
+            kw["long_max_new_tokens"] = max(1, kw["long_max_new_tokens"] * args.max_new_tokens // kw["max_new_tokens"])
+        kw["max_new_tokens"] = args.max_new_tokens
+    longest_new = max(kw["max_new_tokens"], kw.get("long_max_new_tokens") or 0)
+    if longest_new > max_model_len // 2:  # a tiny model: keep room for the prompt
+        scale = (max_model_len // 2) / longest_new
+        kw["max_new_tokens"] = max(1, int(kw["max_new_tokens"] * scale))
+        if kw.get("long_max_new_tokens"):
+            kw["long_max_new_tokens"] = max(1, int(kw["long_max_new_tokens"] * scale))
+        notes.append(f"new tokens scaled by {scale:.2f} to fit the model's {max_model_len}-token context")
+        longest_new = max(kw["max_new_tokens"], kw.get("long_max_new_tokens") or 0)
+    if kw.get("prompt_len_range") and kw["prompt_len_range"][1] + longest_new > max_model_len:
+        hi = max_model_len - longest_new
+        kw["prompt_len_range"] = (min(kw["prompt_len_range"][0], hi), hi)
+        notes.append(f"prompt lengths capped at {hi} tokens to fit the model's {max_model_len}-token context")
+    return kw
+
+
+def describe(name: str, kw: dict) -> str:
+    if kw.get("prompt_len_range"):
+        text = "random prompts {}-{} tokens".format(*kw["prompt_len_range"])
+    else:
+        text = f"prompt {kw['prompt'][:40] + '...' if len(kw['prompt']) > 40 else kw['prompt']!r}"
+        text += " + ' #i'" if kw.get("unique_prompts") else " (the same each time)"
+    text = f"{name}: {kw['num_requests']} requests, {text}, {kw['max_new_tokens']} new tokens"
+    if kw.get("long_every"):
+        text += f" ({kw['long_max_new_tokens']} for 1 in {kw['long_every']})"
+    return text + (", stop on EOS" if kw.get("stop_on_eos", True) else ", EOS ignored")
+
+
+def auto_kv_blocks(requests: list, tokenizer, max_model_len: int, concurrency: int, block_size: int = 16) -> int:
+    """Room for `concurrency` of this workload's largest requests (+1 block each for copy-on-write).
+
+    The engines' own default is `max_batch_size` full contexts, which for an 8k-context model is
+    gigabytes per engine; the ladder keeps seven pools alive at once, so it sizes them to the work.
+    """
+    worst = 0
+    for r in requests:
+        n = len(prepare_prompt(r, tokenizer, max_model_len).token_ids)
+        worst = max(worst, -(-min(n + r.params.max_new_tokens, max_model_len) // block_size) + 1)
+    return concurrency * worst + concurrency
+
+
+# ----------------------------------------------------------------------------- engines
+
+def stage_engine(n: int, args: argparse.Namespace, loaded, knobs: dict) -> Engine:
+    module = registry.load_stage(n)
+    name = registry.short_name(registry.stage_package(n))
+    mode = "streaming" if args.mode == "streaming" and hasattr(module, "SchedulerManager") else "offline"
+    took = accepted(module.InferenceEngine, knobs)
+    return Engine(name, f"{n:02d} {name.split('_', 1)[1].replace('_', ' ')}",
+                  lambda: module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **took),
+                  mode=mode, stage=n, module=module)
+
+
+def hf_engines(args: argparse.Namespace, loaded, num_blocks: int, notes: list[str], skipped: list[dict]) -> list[Engine]:
+    from common import hf_baseline, hf_continuous
+
+    out = [Engine("hf_generate", "HF generate (static)",
+                  lambda: hf_baseline.HFGenerateEngine(loaded, max_batch_size=args.max_batch_size))]
+    ok, why = hf_continuous.available(loaded)
+    if ok:
+        out.append(Engine("hf_continuous_batching", "HF continuous batching",
+                          lambda: hf_continuous.HFContinuousEngine(loaded, max_batch_size=args.max_batch_size,
+                                                                   num_blocks=num_blocks)))
+        notes.append("hf_continuous_batching: transformers' continuous batching manager (the one behind "
+                     "generate_batch), per-request max_new_tokens, pool of the same size; its set-up is not timed")
+    else:
+        skipped.append({"engine": "hf_continuous_batching", "reason": why})
+    return out
+
+
+def run_once(e: Engine, requests: list, args: argparse.Namespace) -> tuple[dict, list]:
+    if e.engine is None:
+        e.engine = e.factory()
+    cache = getattr(e.engine, "prefix_cache", None)
+    if cache is not None:
+        cache.clear()  # every run starts cold: a warmup must not pre-fill the prefix cache
+    if e.mode == "streaming":
+        from common.streaming_bench import run_streaming_once
+        cls = e.module.SchedulerManager
+        manager = cls(e.engine, **accepted(cls, {"max_batch_size": args.max_batch_size, "record_token_timestamps": True,
+                                                 "prefill_max_batch_size": args.prefill_max_batch_size}))
+        try:
+            return run_streaming_once(manager, requests)
+        finally:
+            manager.close()
+    batch = fresh_copies(requests)
+    t0 = time.perf_counter()
+    completions = e.engine.generate(batch)
+    return summarize(completions, wall_s=wall_seconds(completions, t0, time.perf_counter())), completions
+
+
+def run_all(engines: list[Engine], requests: list, args: argparse.Namespace) -> None:
+    """Warmups then repeats, alternating engines; an engine that fails is dropped (and says why)."""
+    from tqdm import tqdm
+
+    total = len(engines) * (args.warmup_runs + args.repeat_runs)
+    with tqdm(total=total, desc="ladder", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
+        for i in range(args.warmup_runs + args.repeat_runs):
+            warm = i < args.warmup_runs
+            for e in engines:
+                bar.set_postfix_str(f"{'warmup' if warm else 'run'} {i + 1 - (0 if warm else args.warmup_runs)}: {e.name}")
+                if e.error is None:
+                    try:
+                        summary, completions = run_once(e, requests, args)
+                        if e.first_tokens is None:
+                            e.first_tokens = [c.token_ids for c in completions]
+                        if not warm:
+                            e.summaries.append(summary)
+                    except Exception as exc:  # noqa: BLE001 -- recorded in the JSON, the ladder goes on
+                        e.error = f"{type(exc).__name__}: {exc}"
+                        tqdm.write(f"WARNING: {e.name} failed and is skipped: {e.error}\n"
+                                   + "".join(traceback.format_exception(exc)[-3:]), file=sys.stderr)
+                bar.update(1)
+
+
+def check_tokens(engines: list[Engine]) -> dict:
+    """Greedy decoding is deterministic: every engine's first-run token ids must equal the reference's."""
+    ran = [e for e in engines if e.first_tokens is not None]
+    if not ran:
+        return {"checked": False}
+    ref = ran[0]
+    mismatches = {}
+    for e in ran:
+        diff = next((i for i, (a, b) in enumerate(zip(ref.first_tokens, e.first_tokens)) if a != b), None)
+        e.match = diff is None and len(ref.first_tokens) == len(e.first_tokens)
+        if not e.match:
+            i = diff or 0
+            mismatches[e.name] = {"request": i, ref.name: ref.first_tokens[i], e.name: e.first_tokens[i]}
+            print(f"WARNING: greedy token ids of {e.name} differ from {ref.name} at request {i}", file=sys.stderr)
+    return {"checked": True, "reference": ref.name, "equal": not mismatches, "mismatches": mismatches}
+
+
+# ----------------------------------------------------------------------------- output
+
+def entry(e: Engine, reference: str | None) -> dict:
+    out: dict[str, Any] = {"engine": e.name, "label": e.label, "stage": e.stage, "mode": e.mode}
+    out.update(median_summary(e.summaries))
+    out["runs"] = e.summaries
+    out["kv"] = e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else {"peak_kv_bytes": None}
+    out["tokens_match_reference"] = e.match
+    out["tokens_match_stage1"] = e.match if reference == "s01_naive_batching" else None
+    if getattr(e.engine, "setup_s", None):
+        out["setup_s"] = list(e.engine.setup_s)
+    return out
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:,.{digits}f}"
+
+
+def format_table(data: dict) -> str:
+    rows = data["entries"]
+    base = next((r for r in rows if r["engine"] == "s01_naive_batching"), None)
+    head = (f"{'engine':26s} {'mode':9s} {'compl tok/s':>11s} {'total tok/s':>11s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+            f"{'TPOT p50':>9s} {'peak KV':>9s} {'x s01':>6s}  tokens")
+    lines = [f"=== ladder: {data['model']} on {data['env']['device_name']} ({data['dtype']}) ===",
+             f"Workload: {data['workload']['description']}",
+             f"Tokens per run: {data['workload']['prompt_tokens']} prompt + {data['workload']['completion_tokens']} "
+             f"completion; max batch size {data['config']['max_batch_size']}",
+             f"Method: {data['config']['warmup_runs']} warmup + {data['config']['repeat_runs']} repeats, engines "
+             f"alternating, medians; times in ms, peak KV in MiB", head, "-" * len(head)]
+    for r in rows:
+        peak = r["kv"].get("peak_kv_bytes")
+        ratio = (r["throughput_tok_s"]["completion"] / base["throughput_tok_s"]["completion"]
+                 if base and base["throughput_tok_s"]["completion"] else None)
+        ok = {True: "same", False: "DIFFER", None: "—"}[r.get("tokens_match_reference")]
+        lines.append(f"{r['engine']:26s} {r['mode']:9s} {_f(r['throughput_tok_s']['completion']):>11s} "
+                     f"{_f(r['throughput_tok_s']['total']):>11s} {_f(r['ttft_ms']['p50']):>9s} "
+                     f"{_f(r['ttft_ms']['p99']):>9s} {_f(r['tpot_ms']['p50']):>9s} "
+                     f"{_f(None if peak is None else peak / 2**20):>9s} {_f(ratio):>6s}  {ok}")
+    for s in data["skipped"]:
+        lines.append(f"{s['engine']:26s} skipped: {s['reason']}")
+    lines += [f"note: {n}" for n in data["notes"]]
+    return "\n".join(lines)
+
+
+def write_chart(data: dict, path: Path) -> None:
+    """Two panels, one bar per engine: completion throughput, and TTFT (p50 bar, p99 tick)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["entries"][::-1]  # top to bottom: stage 01 first
+    labels = [r["label"] for r in rows]
+    colors = ["#9e9e9e" if r["engine"] in HF_ENGINES else "#5c6bc0" if (r["stage"] or 0) <= 3 else "#26a69a"
+              for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.42 * len(rows)), sharey=True)
+    tput = [r["throughput_tok_s"]["completion"] for r in rows]
+    a.barh(labels, tput, color=colors)
+    a.set_xlabel("completion throughput (tokens/s, higher is better)")
+    p50, p99 = [r["ttft_ms"]["p50"] for r in rows], [r["ttft_ms"]["p99"] for r in rows]
+    b.barh(labels, p50, color=colors, label="p50")
+    b.scatter(p99, labels, marker="|", s=200, color="black", label="p99", zorder=3)
+    b.set_xlabel("time to first token (ms, lower is better)")
+    b.legend(loc="lower right", fontsize=8)
+    for ax, vals in ((a, tput), (b, p50)):
+        top = max(vals + ([max(p99)] if ax is b else [])) or 1.0
+        ax.set_xlim(0, top * 1.18)
+        for y, v in enumerate(vals):
+            ax.text(v + top * 0.01, y, f"{v:,.1f}", va="center", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    env = data["env"]
+    fig.suptitle(f"stagewise ladder — {data['model']} on {env['device_name']} ({data['dtype']}), "
+                 f"{data['config']['mode']} mode\n{data['workload']['description']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def parse_stages(text: str | None) -> list[int]:
+    if not text:
+        return sorted(registry.STAGES)
+    wanted = sorted({registry.stage_number(s.strip()) for s in text.split(",") if s.strip()})
+    if not wanted:
+        raise SystemExit("--stages: give stage numbers, e.g. 1,2,4")
+    return wanted
+
+
+def run_ladder(argv: list[str] | None = None) -> dict:
+    """Run the ladder, print the table, write JSON/PNG/TXT into --out; returns the JSON dict."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.max_batch_size < 1:
+        raise SystemExit("--repeat-runs and --max-batch-size must be >= 1, --warmup-runs >= 0")
+    try:
+        stage_numbers = parse_stages(args.stages)
+    except ValueError as exc:
+        raise SystemExit(f"--stages: {exc}") from None
+    from common.loader import load_model
+
+    notes: list[str] = []
+    if args.threads is None and args.model == "tiny":
+        args.threads = 1
+        notes.append("tiny model: 1 CPU thread (too small to gain from more; on a busy machine idle "
+                     "threads spin and slow every op down)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    max_len = int(loaded.config.max_position_embeddings)
+    skipped: list[dict] = []
+    args.prefill_max_batch_size = args.prefill_max_batch_size or WORKLOADS[args.workload][2].get("prefill_max_batch_size")
+    kw = workload_kwargs(args, max_len, notes)
+    requests = build_workload(loaded.tokenizer, seed=args.seed, **kw)
+    concurrency = min(len(requests), max(args.max_batch_size, args.prefill_max_batch_size or 0))
+    num_blocks = args.num_kv_blocks or auto_kv_blocks(requests, loaded.tokenizer, max_len, concurrency)
+    knobs = {"num_kv_blocks": num_blocks}
+    notes.append(f"KV pool of stages 03+: {num_blocks} blocks of 16 tokens "
+                 f"({num_blocks * 16 * loaded.config.kv_bytes_per_token(loaded.dtype) / 2**20:,.1f} MiB)")
+    if args.mode == "offline":
+        notes.append("offline generate(): stages 06, 07 and 09 change the streaming SchedulerManager, "
+                     "which this mode does not use (--mode streaming does)")
+    engines = [stage_engine(n, args, loaded, knobs) for n in stage_numbers]
+    if not args.no_hf:
+        engines += hf_engines(args, loaded, num_blocks, notes, skipped)
+
+    t0 = time.perf_counter()
+    run_all(engines, requests, args)
+    correctness = check_tokens(engines)
+    ref = correctness.get("reference")
+    skipped += [{"engine": e.name, "reason": e.error} for e in engines if e.error]
+    first = next((e.summaries[0] for e in engines if e.summaries), {})
+    device = loaded.device.type
+    tag = None if args.tag is None else (args.tag or args.workload)
+    data = {
+        "command": "stagewise ladder " + shlex.join(argv), "model": loaded.name, "device": device,
+        "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(args),
+        "env": collect_env(loaded.device),
+        "workload": {"name": args.workload, "description": describe(args.workload, kw), "shows": WORKLOADS[args.workload][0],
+                     "kwargs": kw, "requests": len(requests), "prompt_tokens": first.get("prompt_tokens"),
+                     "completion_tokens": first.get("completion_tokens")},
+        "correctness": correctness, "entries": [entry(e, ref) for e in engines if e.summaries and not e.error],
+        "skipped": skipped, "notes": notes, "ladder_wall_s": time.perf_counter() - t0,
+    }
+    if not data["entries"]:
+        raise SystemExit("ladder: every engine failed; see the warnings above")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"ladder.{device}" + (f".{tag}" if tag else "")
+    table = format_table(data)
+    print(table, flush=True)
+    (out / f"{stem}.txt").write_text(table + "\n")
+    write_json(out / f"{stem}.json", data)
+    write_chart(data, out / f"{stem}.png")
+    print(f"wrote {out / f'{stem}.png'}", flush=True)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 1 when a stage failed or its greedy tokens differ (a Hugging Face mismatch only warns)."""
+    data = run_ladder(argv)
+    bad = [s["engine"] for s in data["skipped"]] + list(data["correctness"].get("mismatches", {}))
+    return 1 if any(name not in HF_ENGINES for name in bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
