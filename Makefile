@@ -16,6 +16,7 @@ TORCH_CPU  ?= torch==2.13.0
 TORCH_GPU  ?= torch
 TORCH_INDEX ?=
 NEWEST := $(lastword $(sort $(wildcard stages/s0*_*)))
+export NO_MKDOCS_2_WARNING := 1  # mkdocs-material's banner about MkDocs 2; not a build warning
 BENCH_ARGS ?=
 
 .PHONY: bench test venv docs docs-check clean-venv
@@ -46,3 +47,6 @@ docs: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+docs-check: $(STAMP)
+	$(PY) scripts/docs_check.py

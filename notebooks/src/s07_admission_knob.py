@@ -1,0 +1,70 @@
+# %% [markdown]
+# # Stage 07 — the admission knob
+# `SchedulerManager(..., prefill_max_batch_size=...)` decides how many pending requests one worker
+# iteration admits (one `add_requests` call, one batched prefill), apart from the decode batch size.
+
+# %% [markdown]
+# ## Load a model
+# `tiny` is a small random-weight model that loads in a second, so the outputs are gibberish
+# but every code path runs. For real text, change `"tiny"` to `"smollm2-135m"` (the default
+# model; slower on a CPU).
+
+# %%
+# Put the repository root on sys.path: walk up from the working directory until common/ and stages/ appear.
+import importlib, sys, time
+from pathlib import Path
+
+root = Path.cwd().resolve()
+while not ((root / "common").is_dir() and (root / "stages").is_dir()):
+    if root.parent == root:
+        raise RuntimeError("start this notebook from inside the stagewise repository")
+    root = root.parent
+sys.path.insert(0, str(root))
+
+from common.loader import load_model
+from common.requests import Request, SamplingParams, prepare_prompt
+
+loaded = load_model("tiny", device="cpu")  # swap "tiny" for "smollm2-135m" to use the real model
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+def requests(n_tokens=8, prompts=PROMPTS):
+    return [Request(prompt=p, params=SamplingParams(max_new_tokens=n_tokens)) for p in prompts]
+
+# %% [markdown]
+# ## How many requests one admission takes
+# Wrap `manager.scheduler.add_requests` to record the size of each call, and send a burst of six.
+# With the knob at 2 a burst is admitted two at a time; with 6 it can go in one call (how the
+# burst is split also depends on when the worker wakes up, so the sizes may vary run to run).
+
+# %%
+s07 = importlib.import_module("stages.s07_admission_knob")
+engine = s07.InferenceEngine(loaded, max_batch_size=8)
+burst = [f"{p} {i}" for i, p in enumerate(PROMPTS * 2)]
+for knob in (2, 6):
+    manager = s07.SchedulerManager(engine, max_batch_size=8, prefill_max_batch_size=knob)
+    sizes = []
+    original = manager.scheduler.add_requests
+    def recording_add_requests(reqs, _original=original, _sizes=sizes):
+        _sizes.append(len(reqs))
+        return _original(reqs)
+    manager.scheduler.add_requests = recording_add_requests
+    handles = [manager.add_request(p, max_new_tokens=4) for p in burst]
+    for h in handles:
+        h.result()
+    manager.close()
+    print(f"prefill_max_batch_size={manager._prefill_max_batch_size}: add_requests sizes {sizes}")
+
+# %% [markdown]
+# ## Against stage 06
+# A rough illustration, see the benchmark for real numbers: the same burst through stage 06's
+# manager (admission tied to the decode batch size, here 2) and stage 07's with the knob at 6.
+
+# %%
+s06 = importlib.import_module("stages.s06_prefill_microbatching")
+for name, mod, extra in (("s06", s06, {}), ("s07", s07, {"prefill_max_batch_size": 6})):
+    eng = mod.InferenceEngine(loaded, max_batch_size=2)
+    with mod.SchedulerManager(eng, max_batch_size=2, **extra) as manager:
+        t0 = time.perf_counter()
+        handles = [manager.add_request(p, max_new_tokens=4) for p in burst]
+        for h in handles:
+            h.result()
+        print(f"{name}: {time.perf_counter() - t0:.3f} s")

@@ -1,0 +1,68 @@
+# %% [markdown]
+# # Stage 08 — token-id cache keys
+# Until now the prefix cache was keyed by the prompt *string*, so requests sent as token ids were
+# never cached. `engine.prefix_cache_key(session)` now uses the token ids when the request has them.
+
+# %% [markdown]
+# ## Load a model
+# `tiny` is a small random-weight model that loads in a second, so the outputs are gibberish
+# but every code path runs. For real text, change `"tiny"` to `"smollm2-135m"` (the default
+# model; slower on a CPU).
+
+# %%
+# Put the repository root on sys.path: walk up from the working directory until common/ and stages/ appear.
+import importlib, sys, time
+from pathlib import Path
+
+root = Path.cwd().resolve()
+while not ((root / "common").is_dir() and (root / "stages").is_dir()):
+    if root.parent == root:
+        raise RuntimeError("start this notebook from inside the stagewise repository")
+    root = root.parent
+sys.path.insert(0, str(root))
+
+from common.loader import load_model
+from common.requests import Request, SamplingParams, prepare_prompt
+
+loaded = load_model("tiny", device="cpu")  # swap "tiny" for "smollm2-135m" to use the real model
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+def requests(n_tokens=8, prompts=PROMPTS):
+    return [Request(prompt=p, params=SamplingParams(max_new_tokens=n_tokens)) for p in prompts]
+
+# %% [markdown]
+# ## The key of a text request and of a token-id request
+
+# %%
+s07 = importlib.import_module("stages.s07_admission_knob")
+s08 = importlib.import_module("stages.s08_token_id_cache_keys")
+engine = s08.InferenceEngine(loaded, max_batch_size=4)
+old = s07.InferenceEngine(loaded, max_batch_size=4)
+token_ids = engine.tokenizer.encode(PROMPTS[0])
+text_req = Request(prompt=PROMPTS[0], params=SamplingParams(max_new_tokens=4))
+ids_req = Request(prompt_token_ids=token_ids, params=SamplingParams(max_new_tokens=4))
+for label, req in (("text", text_req), ("token ids", ids_req)):
+    for name, eng in (("s07", old), ("s08", engine)):
+        session = eng.new_session(req, prepare_prompt(req, eng.tokenizer, eng.max_model_len))
+        print(f"{name} key of the {label} request: {eng.prefix_cache_key(session)!r}")
+
+# %% [markdown]
+# ## A repeated token-id request now hits
+
+# %%
+for name, eng in (("s07", old), ("s08", engine)):
+    eng.generate([ids_req])
+    eng.generate([ids_req])
+    print(f"{name}: hits {eng.prefix_cache.hits}, misses {eng.prefix_cache.misses}")
+
+# %% [markdown]
+# ## Against stage 07
+# A rough illustration, see the benchmark for real numbers: one long token-id prompt, eight times.
+
+# %%
+long_ids = engine.tokenizer.encode(PROMPTS[0] * 8)
+same = [Request(prompt_token_ids=long_ids, params=SamplingParams(max_new_tokens=4)) for _ in range(8)]
+for name, mod in (("s07", s07), ("s08", s08)):
+    eng = mod.InferenceEngine(loaded, max_batch_size=8)
+    t0 = time.perf_counter()
+    eng.generate(same)
+    print(f"{name}: {time.perf_counter() - t0:.3f} s")
