@@ -53,13 +53,8 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_ladder(argv: list[str]) -> int:
-    try:
-        ladder = importlib.import_module("common.ladder")
-    except ModuleNotFoundError as exc:
-        if exc.name != "common.ladder":
-            raise
-        print("stagewise ladder: not available yet (common/ladder.py is not in this checkout)", file=sys.stderr)
-        return 2
+    # Imported here, not at the top: the ladder pulls in matplotlib, which `generate` never needs.
+    from common import ladder
     return int(ladder.main(argv) or 0)
 
 

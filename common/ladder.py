@@ -15,6 +15,9 @@ instead (all requests submitted at once), which is where those stages show.
     stagewise ladder --out docs/results                       # smollm2-135m, default workload
     stagewise ladder --model tiny --out /tmp/ladder           # a quick check (under a minute)
     stagewise ladder --workload burst --mode streaming --tag --out docs/results
+
+The table and chart are drawn from the JSON alone (common/ladder_report.py), so a committed
+result can be redrawn without measuring again.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 from common import stages as registry
 from common.bench import accepted, wall_seconds, write_json
 from common.envinfo import collect_env
+from common.ladder_report import HF_ENGINES, format_table, write_chart
 from common.metrics import median_summary, summarize
 from common.requests import prepare_prompt
 from common.workloads import build_workload, fresh_copies
@@ -59,7 +63,6 @@ WORKLOADS: dict[str, tuple[str, dict, dict]] = {
     "repeated-prompts": ("the same long prompt again and again (stage 05)",
                          dict(num_requests=32, prompt=LONG_PROMPT, max_new_tokens=8, stop_on_eos=False), {}),
 }
-HF_ENGINES = ("hf_generate", "hf_continuous_batching")
 
 
 @dataclass
@@ -246,7 +249,7 @@ def check_tokens(engines: list[Engine]) -> dict:
     return {"checked": True, "reference": ref.name, "equal": not mismatches, "mismatches": mismatches}
 
 
-# ----------------------------------------------------------------------------- output
+# ----------------------------------------------------------------------------- results
 
 def entry(e: Engine, reference: str | None) -> dict:
     out: dict[str, Any] = {"engine": e.name, "label": e.label, "stage": e.stage, "mode": e.mode}
@@ -258,69 +261,6 @@ def entry(e: Engine, reference: str | None) -> dict:
     if getattr(e.engine, "setup_s", None):
         out["setup_s"] = list(e.engine.setup_s)
     return out
-
-
-def _f(x: Any, digits: int = 2) -> str:
-    return "—" if x is None else f"{x:,.{digits}f}"
-
-
-def format_table(data: dict) -> str:
-    rows = data["entries"]
-    base = next((r for r in rows if r["engine"] == "s01_naive_batching"), None)
-    head = (f"{'engine':26s} {'mode':9s} {'compl tok/s':>11s} {'total tok/s':>11s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-            f"{'TPOT p50':>9s} {'peak KV':>9s} {'x s01':>6s}  tokens")
-    lines = [f"=== ladder: {data['model']} on {data['env']['device_name']} ({data['dtype']}) ===",
-             f"Workload: {data['workload']['description']}",
-             f"Tokens per run: {data['workload']['prompt_tokens']} prompt + {data['workload']['completion_tokens']} "
-             f"completion; max batch size {data['config']['max_batch_size']}",
-             f"Method: {data['config']['warmup_runs']} warmup + {data['config']['repeat_runs']} repeats, engines "
-             f"alternating, medians; times in ms, peak KV in MiB", head, "-" * len(head)]
-    for r in rows:
-        peak = r["kv"].get("peak_kv_bytes")
-        ratio = (r["throughput_tok_s"]["completion"] / base["throughput_tok_s"]["completion"]
-                 if base and base["throughput_tok_s"]["completion"] else None)
-        ok = {True: "same", False: "DIFFER", None: "—"}[r.get("tokens_match_reference")]
-        lines.append(f"{r['engine']:26s} {r['mode']:9s} {_f(r['throughput_tok_s']['completion']):>11s} "
-                     f"{_f(r['throughput_tok_s']['total']):>11s} {_f(r['ttft_ms']['p50']):>9s} "
-                     f"{_f(r['ttft_ms']['p99']):>9s} {_f(r['tpot_ms']['p50']):>9s} "
-                     f"{_f(None if peak is None else peak / 2**20):>9s} {_f(ratio):>6s}  {ok}")
-    for s in data["skipped"]:
-        lines.append(f"{s['engine']:26s} skipped: {s['reason']}")
-    lines += [f"note: {n}" for n in data["notes"]]
-    return "\n".join(lines)
-
-
-def write_chart(data: dict, path: Path) -> None:
-    """Two panels, one bar per engine: completion throughput, and TTFT (p50 bar, p99 tick)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = data["entries"][::-1]  # top to bottom: stage 01 first
-    labels = [r["label"] for r in rows]
-    colors = ["#9e9e9e" if r["engine"] in HF_ENGINES else "#5c6bc0" if (r["stage"] or 0) <= 3 else "#26a69a"
-              for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.42 * len(rows)), sharey=True)
-    tput = [r["throughput_tok_s"]["completion"] for r in rows]
-    a.barh(labels, tput, color=colors)
-    a.set_xlabel("completion throughput (tokens/s, higher is better)")
-    p50, p99 = [r["ttft_ms"]["p50"] for r in rows], [r["ttft_ms"]["p99"] for r in rows]
-    b.barh(labels, p50, color=colors, label="p50")
-    b.scatter(p99, labels, marker="|", s=200, color="black", label="p99", zorder=3)
-    b.set_xlabel("time to first token (ms, lower is better)")
-    b.legend(loc="lower right", fontsize=8)
-    for ax, vals in ((a, tput), (b, p50)):
-        top = max(vals + ([max(p99)] if ax is b else [])) or 1.0
-        ax.set_xlim(0, top * 1.18)
-        for y, v in enumerate(vals):
-            ax.text(v + top * 0.01, y, f"{v:,.1f}", va="center", fontsize=8)
-        ax.grid(axis="x", alpha=0.3)
-    env = data["env"]
-    fig.suptitle(f"stagewise ladder — {data['model']} on {env['device_name']} ({data['dtype']}), "
-                 f"{data['config']['mode']} mode\n{data['workload']['description']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- entry point

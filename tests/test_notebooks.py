@@ -35,9 +35,13 @@ def python3_kernel():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path, python3_kernel):
+def test_notebook_executes(path, python3_kernel, monkeypatch):
     import nbclient
     import nbformat
+
+    # The kernel inherits this: one intra-op thread, since the tiny model gains nothing from more
+    # and on a busy shared CPU idle OpenMP threads spin and slow every op down.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
     nb = nbformat.read(path, as_version=4)
     # The kernel starts in the repo root; the notebook's first cell also walks up to it for sys.path.

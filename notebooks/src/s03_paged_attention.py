@@ -40,22 +40,40 @@ for c in engine.generate(requests()):
 print(engine.kv_stats())
 
 # %% [markdown]
-# ## A session's block table
-# Book the worst case (`reserve`), prefill the prompt (blocks are taken as tokens arrive), then
-# give everything back. Watch the allocator's free count. Blocks of 4 tokens here, to see
-# several; the default is 16.
+# ## The pool
+# One K and one V tensor per layer, `[num_blocks, block_size, Hkv, D]`, shared by every request.
+
+# %%
+pool = engine.pool
+print("layers:", len(pool.k), "  K[0]:", tuple(pool.k[0].shape), "  bytes per block:", pool.bytes_per_block)
+
+# %% [markdown]
+# ## Block tables and the free list
+# Book the worst case (`reserve`), prefill two prompts (blocks are taken from the head of the
+# free list as tokens arrive), then give the first one back: its blocks go to the *end* of the
+# free list, ready for the next request. Blocks of 4 tokens here, to see several; the default is 16.
 
 # %%
 alloc = engine.pool.allocator
-req = Request(prompt="The quick brown fox jumps over the lazy dog", params=SamplingParams(max_new_tokens=8))
-session = engine.new_session(req, prepare_prompt(req, engine.tokenizer, engine.max_model_len))
-print("free blocks before:", alloc.num_free, "of", alloc.num_blocks)
-engine.reserve(session)
-engine.prefill(session)
-print(f"prompt of {len(session.prompt_ids)} tokens -> block_table {session.block_table}")
-print("free blocks after prefill:", alloc.num_free, " still booked for decode:", session.reserved)
-session.release_kv_blocks()
-print("free blocks after release:", alloc.num_free)
+def new_session(prompt):
+    req = Request(prompt=prompt, params=SamplingParams(max_new_tokens=8))
+    session = engine.new_session(req, prepare_prompt(req, engine.tokenizer, engine.max_model_len))
+    engine.reserve(session)  # books its worst case: prompt + 8 new tokens
+    engine.prefill(session)  # writes the prompt's K/V, taking blocks as they fill
+    return session
+
+print("free list head:", list(alloc._free)[:10], f"({alloc.num_free} free of {alloc.num_blocks})")
+first = new_session("The quick brown fox jumps over the lazy dog")
+second = new_session("Once upon a time")
+for name, s in (("first", first), ("second", second)):
+    print(f"{name}: {len(s.prompt_ids)} prompt tokens -> block_table {s.block_table}, "
+          f"{s.reserved} more blocks booked for decode")
+print("slots of the first prompt's tokens:", first.context_slots().tolist())
+print("free list head:", list(alloc._free)[:6], " booked:", alloc.reserved)
+first.release_kv_blocks()
+print("after releasing the first: free list tail", list(alloc._free)[-4:], " booked:", alloc.reserved)
+second.release_kv_blocks()
+print("free blocks after both:", alloc.num_free, "of", alloc.num_blocks)
 
 # %% [markdown]
 # ## Against stage 02

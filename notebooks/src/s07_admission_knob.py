@@ -31,27 +31,41 @@ def requests(n_tokens=8, prompts=PROMPTS):
 
 # %% [markdown]
 # ## How many requests one admission takes
-# Wrap `manager.scheduler.add_requests` to record the size of each call, and send a burst of six.
-# With the knob at 2 a burst is admitted two at a time; with 6 it can go in one call (how the
-# burst is split also depends on when the worker wakes up, so the sizes may vary run to run).
+# Wrap `manager.scheduler.add_requests` to record the size of each call. To make the burst
+# arrive all at once, park the worker just before its next admission, send six requests, then
+# let it go. Decode runs 2 at a time (`max_batch_size=2`). With the knob unset, admission is
+# tied to that 2. With the knob at 6, the whole burst goes into one call, one batched prefill.
 
 # %%
+import threading
+
 s07 = importlib.import_module("stages.s07_admission_knob")
-engine = s07.InferenceEngine(loaded, max_batch_size=8)
 burst = [f"{p} {i}" for i, p in enumerate(PROMPTS * 2)]
-for knob in (2, 6):
-    manager = s07.SchedulerManager(engine, max_batch_size=8, prefill_max_batch_size=knob)
-    sizes = []
-    original = manager.scheduler.add_requests
-    def recording_add_requests(reqs, _original=original, _sizes=sizes):
-        _sizes.append(len(reqs))
-        return _original(reqs)
-    manager.scheduler.add_requests = recording_add_requests
-    handles = [manager.add_request(p, max_new_tokens=4) for p in burst]
-    for h in handles:
-        h.result()
-    manager.close()
-    print(f"prefill_max_batch_size={manager._prefill_max_batch_size}: add_requests sizes {sizes}")
+
+def park_worker(manager):
+    """Hold the worker before its next admission; set the returned event to let it go."""
+    go, parked = threading.Event(), threading.Event()
+    admit = manager._admit_pending
+    def gated():
+        parked.set()
+        go.wait(10)
+        admit()
+    manager._admit_pending = gated
+    parked.wait(10)
+    return go
+
+for knob in (None, 6):
+    engine = s07.InferenceEngine(loaded, max_batch_size=2)
+    with s07.SchedulerManager(engine, max_batch_size=2, prefill_max_batch_size=knob) as manager:
+        sizes = []
+        original = manager.scheduler.add_requests
+        manager.scheduler.add_requests = lambda reqs: sizes.append(len(reqs)) or original(reqs)
+        go = park_worker(manager)
+        handles = [manager.add_request(p, max_new_tokens=4) for p in burst]
+        go.set()
+        for h in handles:
+            h.result()
+    print(f"prefill_max_batch_size={knob}: add_requests call sizes {sizes}")
 
 # %% [markdown]
 # ## Against stage 06

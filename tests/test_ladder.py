@@ -1,0 +1,115 @@
+"""`stagewise ladder` (common/ladder.py): one small run on the tiny model, and its pieces.
+
+Why: the ladder is the picture the docs lead with, so its files must exist with the fields the
+docs hook reads (`entries[].throughput_tok_s`, `ttft_ms`, `tpot_ms`, `kv.peak_kv_bytes`), the
+PNG must be a real image, and the correctness check must run before any number is trusted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from common import ladder
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk; fails unless the file is a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[Path, dict, str]:
+    out = tmp_path_factory.mktemp("ladder")
+    argv = ["--model", "tiny", "--device", "cpu", "--out", str(out), "--num-requests", "4", "--max-new-tokens", "4",
+            "--warmup-runs", "0", "--repeat-runs", "1", "--stages", "1,2,4"]
+    return out, ladder.run_ladder(argv), " ".join(argv)
+
+
+def test_small_ladder_writes_table_json_and_png(small_run, capsys) -> None:
+    out, data, _ = small_run
+    for suffix in ("json", "png", "txt"):
+        assert (out / f"ladder.cpu.{suffix}").is_file()
+    width, height = png_size(out / "ladder.cpu.png")
+    assert width > 300 and height > 100
+    on_disk = json.loads((out / "ladder.cpu.json").read_text())
+    assert on_disk["command"].startswith("stagewise ladder --model tiny")
+    for key in ("env", "config", "workload", "correctness", "entries", "skipped", "notes"):
+        assert key in on_disk, key
+    assert on_disk["env"]["git_commit"] is None or len(on_disk["env"]["git_commit"]) == 40
+    assert on_disk["workload"]["requests"] == 4
+    table = (out / "ladder.cpu.txt").read_text()
+    assert "=== ladder: tiny" in table and "TTFT p50" in table
+
+
+def test_every_engine_has_the_fields_the_docs_read(small_run) -> None:
+    _, data, _ = small_run
+    names = [e["engine"] for e in data["entries"]]
+    assert names[:3] == ["s01_naive_batching", "s02_kv_cache", "s04_online_scheduler"]
+    assert "hf_generate" in names
+    for e in data["entries"]:
+        for group, key in (("throughput_tok_s", "completion"), ("throughput_tok_s", "total"), ("ttft_ms", "p50"),
+                           ("ttft_ms", "p99"), ("tpot_ms", "p50")):
+            assert isinstance(e[group][key], float), (e["engine"], group, key)
+        assert "peak_kv_bytes" in e["kv"]
+        assert len(e["runs"]) == 1 and e["mode"] == "offline"
+        assert e["tokens_match_stage1"] is True, e["engine"]
+    assert data["correctness"] == {"checked": True, "reference": "s01_naive_batching", "equal": True,
+                                   "mismatches": {}}
+    cb = [e for e in data["entries"] if e["engine"] == "hf_continuous_batching"]
+    skipped = [s for s in data["skipped"] if s["engine"] == "hf_continuous_batching"]
+    assert len(cb) + len(skipped) == 1  # ran, or says why not
+    assert all(s["reason"] for s in data["skipped"])
+
+
+def test_the_docs_hook_renders_the_ladder_json(small_run) -> None:
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "hooks"))
+    import stagewise as hook
+
+    out, _, _ = small_run
+    md = hook.render_ladder_table(out.parent, f"{out.name}/ladder.cpu.json", "ladder.md")
+    assert "| `s01_naive_batching` |" in md and "| `s04_online_scheduler` |" in md
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(workload="default", num_requests=None, max_new_tokens=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_workloads_fit_the_context_window() -> None:
+    notes: list[str] = []
+    kw = ladder.workload_kwargs(_args(workload="random-lengths"), 128, notes)
+    assert kw["prompt_len_range"][1] + kw["max_new_tokens"] <= 128 and notes
+    kw = ladder.workload_kwargs(_args(workload="mixed-output"), 128, [])
+    assert kw["long_max_new_tokens"] <= 64 and kw["max_new_tokens"] >= 1
+    kw = ladder.workload_kwargs(_args(workload="default", num_requests=3, max_new_tokens=2), 8192, [])
+    assert kw["num_requests"] == 3 and kw["max_new_tokens"] == 2 and kw["long_max_new_tokens"] == 8
+    assert ladder.workload_kwargs(_args(workload="burst"), 8192, [])["num_requests"] == 32
+
+
+def test_stage_subset_parsing() -> None:
+    assert ladder.parse_stages("1, 2,4") == [1, 2, 4]
+    assert ladder.parse_stages(None) == list(range(1, 10))
+    with pytest.raises(ValueError):
+        ladder.parse_stages("1,42")
+
+
+def test_report_redraws_table_and_chart_from_the_json_alone(small_run, tmp_path) -> None:
+    from common import ladder_report
+
+    out, data, _ = small_run
+    copy = tmp_path / "ladder.cpu.json"
+    copy.write_text((out / "ladder.cpu.json").read_text())
+    assert ladder_report.main([str(copy)]) == 0
+    assert (tmp_path / "ladder.cpu.txt").read_text() == (out / "ladder.cpu.txt").read_text()
+    assert png_size(tmp_path / "ladder.cpu.png")[0] > 300
