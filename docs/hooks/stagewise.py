@@ -178,8 +178,8 @@ def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> s
     out = [f"**Command:** `{data.get('command') or default_command(path)}`", "",
            f"**Environment:** {env_line(data)}. "
            f"Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
-           "| engine | completion tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
-           "| TPOT p50 (ms) | peak KV (MiB) |", "|---|--:|--:|--:|--:|--:|--:|"]
+           "| engine | mode | completion tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
+           "| TPOT p50 (ms) | peak KV (MiB) |", "|---|---|--:|--:|--:|--:|--:|--:|"]
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise DocsError(f"{path}: entries[{i}] must be an object")
@@ -187,7 +187,7 @@ def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> s
         cells = [_fmt(_value(e, k)) for k in ("throughput_tok_s.completion", "throughput_tok_s.total",
                                               "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50",
                                               "kv.peak_kv_bytes")]
-        out.append(f"| `{_name(e, str(i))}` | " + " | ".join(cells) + " |")
+        out.append(f"| `{_name(e, str(i))}` | {e.get('mode', '—')} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

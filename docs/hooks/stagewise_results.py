@@ -133,7 +133,12 @@ def default_command(path: str) -> str:
     stem, _, rest = name.partition(".")
     device = rest.split(".")[0] if rest.count(".") >= 1 else "cpu"
     if stem.startswith("ladder"):
-        return f"stagewise ladder --device {device} --out {Path(path).parent.as_posix()}"
+        # ladder.<device>[.<tag>].json; a tag named after a workload was written by `--workload <tag> --tag`.
+        parts = name.split(".")
+        tag = parts[2] if len(parts) > 3 else None
+        workload = f" --workload {tag} --tag" if tag else ""
+        mode = " --mode streaming" if tag == "burst" else ""
+        return f"stagewise ladder --device {device}{workload}{mode} --out {Path(path).parent.as_posix()}"
     dev = " --device cuda" if device == "cuda" else ""
     return f"python -m stages.{stem}.bench --compare{dev} --json {path}"
 
