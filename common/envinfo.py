@@ -17,6 +17,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+RESULTS_DIR = "docs/results"
+
+
 def _git(*args: str) -> str | None:
     """Run a git command in the repo; None when git or the repo is missing (e.g. a wheel)."""
     try:
@@ -29,9 +32,10 @@ def _git(*args: str) -> str | None:
 
 def git_info() -> dict:
     commit = _git("rev-parse", "HEAD")
-    # Tracked files only: the result JSON being written (and other new, unused files) must not
-    # mark a run made from a clean checkout as dirty.
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # Tracked code only: the result files being written, the committed results an earlier run in
+    # the same batch rewrote (docs/results/), and new unused files do not change what is measured,
+    # so they must not mark a run made from a clean checkout as dirty.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_DIR}")
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 

@@ -42,7 +42,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 # Hosts the theme loads from at view time: mermaid's CDN and Google Fonts (the text then falls
 # back to system fonts). Unreachable offline, so failures to reach them are expected here.
 OFFLINE_OK = ("unpkg.com", "cdn.jsdelivr.net", "fonts.googleapis.com", "fonts.gstatic.com")
-WIDTH, MAX_SHOT_HEIGHT = 1280, 3200
+WIDTH, MAX_SHOT_HEIGHT = 1280, 16000
 # Make lazy images load, wait for every image, report what each one got.
 IMAGES_JS = """(async () => {
   const imgs = [...document.images];
