@@ -9,6 +9,9 @@ The sources are plain Python in the "percent" cell format (as jupytext and VS Co
     # %%
     print("a code cell")
 
+A line `# %% include _setup.py` stands for the cells of notebooks/src/_setup.py (loading the
+model, the shared prompts), which every stage notebook begins with.
+
 For each source this writes docs/notebooks/sNN_<stage>.ipynb (nbformat v4, no outputs) and
 docs/notebooks/sNN_<stage>.md, the page the site renders. Never edit those two by hand.
 
@@ -29,10 +32,25 @@ SRC = ROOT / "notebooks" / "src"
 OUT = ROOT / "docs" / "notebooks"
 
 
+INCLUDE = "# %% include "
+
+
+def expand_includes(text: str) -> str:
+    """Replace each `# %% include FILE` line with FILE's cells (its text from the first `# %%` on)."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith(INCLUDE):
+            included = (SRC / line[len(INCLUDE):].strip()).read_text()
+            lines.extend(included[included.index("# %%"):].splitlines())
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def parse_cells(text: str) -> list[tuple[str, str]]:
     """[(kind, source)] with kind "markdown" or "code"; anything before the first `# %%` is ignored."""
     cells: list[tuple[str, list[str]]] = []
-    for line in text.splitlines():
+    for line in expand_includes(text).splitlines():
         if line.startswith("# %%"):
             cells.append(("markdown" if "[markdown]" in line else "code", []))
         elif cells:
