@@ -57,6 +57,18 @@ def test_stage_diff_renders_unified_diff_of_python_files(two_stages: Path) -> No
     assert "| `kv_cache.py` | new | +2 | — |" in md
 
 
+def test_stage_diff_folds_the_tests_away_from_the_code(two_stages: Path) -> None:
+    (two_stages / "stages" / "s01_alpha" / "test_stage.py").write_text("def test_a():\n    assert 1\n")
+    (two_stages / "stages" / "s02_beta" / "test_stage.py").write_text("def test_b():\n\n    assert 2\n")
+    md = hook.render_stage_diff(two_stages, "s01_alpha", "s02_beta")
+    code, _, tests = md.partition('??? note "The tests: `test_stage.py` (+3 −2)')
+    assert tests, md
+    assert "engine.py" in code and "| `test_stage.py` | changed |" in code and "def test_" not in code
+    body = tests.split("\n")[2:]
+    assert body[0] == "    ```diff" and all(line.startswith("    ") for line in body)
+    assert "    +def test_b():" in body and "    -def test_a():" in body
+
+
 def test_stage_diff_accepts_stages_prefix_and_reports_no_difference(two_stages: Path) -> None:
     md = hook.render_stage_diff(two_stages, "stages/s01_alpha", "stages/s01_alpha")
     assert "No differences" in md

@@ -59,52 +59,66 @@ def _py_files(d: Path) -> dict[str, Path]:
             if "__pycache__" not in p.parts}
 
 
-def stage_diff(root: Path, a: str, b: str) -> tuple[str, list[tuple[str, str, int, int]]]:
-    """`diff -ru stages/a stages/b` over *.py files: (diff text, [(file, kind, +lines, -lines)])."""
+def stage_diff(root: Path, a: str, b: str) -> list[tuple[str, str, int, int, list[str]]]:
+    """`diff -ru stages/a stages/b` over *.py files, file by file: [(file, kind, +lines, -lines, diff lines)]."""
     da, db = _stage_dir(root, a), _stage_dir(root, b)
     for d in (da, db):
         if not d.is_dir():
             raise DocsError(f"stage-diff: stage directory {d.relative_to(root)} does not exist")
     fa, fb = _py_files(da), _py_files(db)
     ra, rb = da.relative_to(root).as_posix(), db.relative_to(root).as_posix()
-    out: list[str] = []
-    stats: list[tuple[str, str, int, int]] = []
+    files: list[tuple[str, str, int, int, list[str]]] = []
     for name in sorted(set(fa) | set(fb)):
         if name not in fb:
-            out.append(f"Only in {os.path.dirname(f'{ra}/{name}')}: {os.path.basename(name)}")
-            stats.append((name, "removed", 0, len(fa[name].read_text().splitlines())))
+            files.append((name, "removed", 0, len(fa[name].read_text().splitlines()),
+                          [f"Only in {os.path.dirname(f'{ra}/{name}')}: {os.path.basename(name)}"]))
             continue
         if name not in fa:
-            out.append(f"Only in {os.path.dirname(f'{rb}/{name}')}: {os.path.basename(name)}")
-            stats.append((name, "new", len(fb[name].read_text().splitlines()), 0))
+            files.append((name, "new", len(fb[name].read_text().splitlines()), 0,
+                          [f"Only in {os.path.dirname(f'{rb}/{name}')}: {os.path.basename(name)}"]))
             continue
         old, new = fa[name].read_text().splitlines(), fb[name].read_text().splitlines()
         hunks = list(difflib.unified_diff(old, new, f"{ra}/{name}", f"{rb}/{name}", lineterm=""))
         if not hunks:
             continue
-        out.append(f"diff -ru {ra}/{name} {rb}/{name}")
-        out.extend(hunks)
         body = hunks[2:]
-        stats.append((name, "changed", sum(1 for h in body if h.startswith("+")),
-                      sum(1 for h in body if h.startswith("-"))))
-    return "\n".join(out), stats
+        files.append((name, "changed", sum(1 for h in body if h.startswith("+")),
+                      sum(1 for h in body if h.startswith("-")), [f"diff -ru {ra}/{name} {rb}/{name}", *hunks]))
+    return files
+
+
+def _is_test(name: str) -> bool:
+    return os.path.basename(name).startswith("test_")
 
 
 def render_stage_diff(root: Path, a: str, b: str, strict: bool = True) -> str:
+    """The diff table, the engine code's diff in view, and the tests' diff folded away.
+
+    The tests of a stage are about its own idea, so their diff is long and mostly replaced
+    lines; folding it keeps the optimization itself on screen.
+    """
     if not strict and not (_stage_dir(root, a).is_dir() and _stage_dir(root, b).is_dir()):
         missing = [n for n in (a, b) if not _stage_dir(root, n).is_dir()]
         return _admonition("note", "Stage not built yet",
                            f"`stages/{missing[0]}/` does not exist yet. Once it does, this section "
                            f"shows `diff -ru stages/{a} stages/{b}`, generated from the code.")
-    text, stats = stage_diff(root, a, b)
+    files = stage_diff(root, a, b)
     cmd = f"diff -ru {_stage_dir(root, a).relative_to(root)} {_stage_dir(root, b).relative_to(root)}"
-    if not stats:
+    if not files:
         return _admonition("info", "No differences", f"`{cmd}` finds no difference in *.py files.")
     rows = "\n".join(f"| `{f}` | {kind} | {f'+{add}' if add else '—'} | {f'−{rem}' if rem else '—'} |"
-                     for f, kind, add, rem in stats)
-    return (f"Generated at build time from the code: `{cmd}` (Python files only).\n\n"
-            f"| file | change | added | removed |\n|---|---|--:|--:|\n{rows}\n\n"
-            + _fence(text, "diff"))
+                     for f, kind, add, rem, _ in files)
+    out = [f"Generated at build time from the code: `{cmd}` (Python files only).",
+           f"| file | change | added | removed |\n|---|---|--:|--:|\n{rows}"]
+    code = [ln for f, *_, lines in files if not _is_test(f) for ln in lines]
+    if code:
+        out.append(_fence("\n".join(code), "diff"))
+    for f, _, add, rem, lines in files:
+        if _is_test(f):
+            fenced = _fence("\n".join(lines), "diff")
+            out.append(f'??? note "The tests: `{f}` (+{add} −{rem}), click to unfold"\n\n'
+                       + textwrap.indent(fenced, "    ", lambda _: True))
+    return "\n\n".join(out)
 
 
 # ----------------------------------------------------------------------------- includes
