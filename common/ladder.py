@@ -35,7 +35,7 @@ import torch
 from common import stages as registry
 from common.bench import accepted, wall_seconds, write_json
 from common.envinfo import collect_env
-from common.ladder_report import HF_ENGINES, format_table, write_chart
+from common.ladder_report import HF_ENGINES, write_report
 from common.metrics import median_summary, summarize
 from common.requests import prepare_prompt
 from common.workloads import build_workload, fresh_copies
@@ -334,13 +334,10 @@ def run_ladder(argv: list[str] | None = None) -> dict:
         raise SystemExit("ladder: every engine failed; see the warnings above")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"ladder.{device}" + (f".{tag}" if tag else "")
-    table = format_table(data)
-    print(table, flush=True)
-    (out / f"{stem}.txt").write_text(table + "\n")
-    write_json(out / f"{stem}.json", data)
-    write_chart(data, out / f"{stem}.png")
-    print(f"wrote {out / f'{stem}.png'}", flush=True)
+    json_path = out / (f"ladder.{device}" + (f".{tag}" if tag else "") + ".json")
+    write_json(json_path, data)
+    print(write_report(data, json_path), flush=True)
+    print(f"wrote {json_path.with_suffix('.png')}", flush=True)
     return data
 
 

@@ -96,6 +96,14 @@ def write_chart(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_report(data: dict, json_path: Path) -> str:
+    """Write the table (.txt) and the chart (.png) beside `json_path`; return the table."""
+    table = format_table(data)
+    json_path.with_suffix(".txt").write_text(table + "\n")
+    write_chart(data, json_path.with_suffix(".png"))
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths:
@@ -103,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name in paths:
         path = Path(name)
-        data = json.loads(path.read_text())
-        path.with_suffix(".txt").write_text(format_table(data) + "\n")
-        write_chart(data, path.with_suffix(".png"))
+        write_report(json.loads(path.read_text()), path)
         print(f"wrote {path.with_suffix('.txt')} and {path.with_suffix('.png')}")
     return 0
 

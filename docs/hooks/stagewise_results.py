@@ -134,8 +134,7 @@ def default_command(path: str) -> str:
     device = rest.split(".")[0] if rest.count(".") >= 1 else "cpu"
     if stem.startswith("ladder"):
         # ladder.<device>[.<tag>].json; a tag named after a workload was written by `--workload <tag> --tag`.
-        parts = name.split(".")
-        tag = parts[2] if len(parts) > 3 else None
+        tag = rest.split(".")[1] if rest.count(".") >= 2 else None
         workload = f" --workload {tag} --tag" if tag else ""
         mode = " --mode streaming" if tag == "burst" else ""
         return f"stagewise ladder --device {device}{workload}{mode} --out {Path(path).parent.as_posix()}"
