@@ -38,12 +38,15 @@ class CachedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]
         self.cache.write(layer_idx, self.start, k, v)
-        end = self.start + q.shape[1]
+        B, T, Hq, D = q.shape
+        Hkv, end = k.shape[2], self.start + T
+        keys, values = self.cache.k[layer_idx][:, :, :end], self.cache.v[layer_idx][:, :, :end]  # [B, Hkv, end, D]
+        if T == 1:
+            # Decode, GQA without copying K/V: the G query heads that share a KV head become G
+            # query rows of that head, [B, Hkv, G, D] (enable_gqa would expand K/V G times).
+            out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), keys, values, attn_mask=self.mask)
+            return out.reshape(B, 1, Hq, D)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            self.cache.k[layer_idx][:, :, :end],
-            self.cache.v[layer_idx][:, :, :end],
-            attn_mask=self.mask,
-            enable_gqa=q.shape[2] != k.shape[2],
+            q.transpose(1, 2), keys, values, attn_mask=self.mask, enable_gqa=Hq != Hkv,
         )  # [B, Hq, T, D]
         return out.transpose(1, 2)  # [B, T, Hq, D]

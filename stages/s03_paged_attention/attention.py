@@ -2,15 +2,12 @@
 
 Prefill: a prompt's K/V are all new, so attention is ordinary causal attention over them;
 they are also written into the sequence's blocks. Decode: each sequence of the batch adds
-one token and attends over its own cached tokens, read through its block table. The batch
-is *packed*, not padded: the keys of all sequences lie end to end (`[N, Hkv, D]`, N = the
-sum of their lengths) and a segment id says which sequence each key belongs to, so a
-64-token sequence next to a 2,000-token one costs 64 keys, not 2,000.
+one token and attends over its own cached tokens, read through its block table: its blocks
+are copied into a buffer that is reused every layer and every step, padded to the longest
+sequence of the batch and masked by length, and one SDPA call does the rest.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -36,14 +33,22 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """A batch of sequences, one new token each, attending over their paged context."""
+    """A batch of sequences, one new token each, attending over their paged context.
 
-    def __init__(self, pool: KVBlockPool, new_slots: torch.Tensor, context_slots: torch.Tensor,
-                 segments: torch.Tensor, writers: torch.Tensor | None = None) -> None:
+    Per layer: store the new K/V at their slots, copy every sequence's blocks into one reused
+    buffer (`KVBlockPool.gather_blocks`: block tables padded to the longest, so the buffer is a
+    `[Hkv, B, nb * block_size, D]` rectangle), then one SDPA call with a length mask. Everything
+    that is the same for all layers — the flat block list, the mask — is built once per step.
+    """
+
+    def __init__(self, pool: KVBlockPool, new_slots: torch.Tensor, blocks: torch.Tensor,
+                 lengths: torch.Tensor, writers: torch.Tensor | None = None) -> None:
         self.pool = pool
         self.new_slots = new_slots  # [W]: where each writing sequence's new K/V go
-        self.context_slots = context_slots  # [N]: every sequence's slots end to end (new token included)
-        self.segments = segments  # [N]: which sequence (0..B-1) each slot belongs to
+        B, nb = blocks.shape
+        self.blocks = blocks.reshape(B * nb)  # [B * nb]: the batch's block tables end to end
+        keys = torch.arange(nb * pool.block_size, device=lengths.device)
+        self.mask = (keys < lengths[:, None])[None, :, None, :]  # [1, B, 1, nb * bs]: True on real keys
         self.writers = writers  # [W]: rows that store their new K/V (None: all of them)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,17 +57,9 @@ class DecodeAttention:
         Hkv = k.shape[2]
         rows = slice(None) if self.writers is None else self.writers
         self.pool.write(layer_idx, self.new_slots, k[rows, 0], v[rows, 0])
-        keys, values = self.pool.gather(layer_idx, self.context_slots)  # [N, Hkv, D]
-        seg = self.segments
-        qg = torch.index_select(q.view(B, Hkv, Hq // Hkv, D), 0, seg)  # [N, Hkv, G, D]: each key meets its sequence's query
-        scores = torch.einsum("nhd,nhgd->nhg", keys, qg) * (1.0 / math.sqrt(D))  # [N, Hkv, G]
-        # Softmax within each segment: subtract the segment's max, exponentiate, normalise.
-        idx = seg[:, None, None].expand_as(scores)
-        seg_max = torch.full((B, *scores.shape[1:]), -math.inf, dtype=scores.dtype, device=scores.device)
-        seg_max.scatter_reduce_(0, idx, scores, reduce="amax", include_self=True)  # [B, Hkv, G]
-        p = torch.exp(scores - torch.index_select(seg_max, 0, seg))  # [N, Hkv, G]
-        denom = torch.zeros_like(seg_max).index_add_(0, seg, p)  # [B, Hkv, G]
-        out = torch.zeros((B, *qg.shape[1:]), dtype=q.dtype, device=q.device)  # [B, Hkv, G, D]
-        out.index_add_(0, seg, p[..., None] * values[:, :, None, :])
-        out = out / denom[..., None]
-        return out.reshape(B, 1, Hq, D)
+        keys, values = self.pool.gather_blocks(layer_idx, self.blocks)  # [Hkv, B * nb, bs, D]
+        keys, values = keys.view(Hkv, B, -1, D), values.view(Hkv, B, -1, D)  # [Hkv, B, L, D]
+        # GQA without copying K/V: the G query heads that share a KV head become G query rows.
+        qh = q.view(B, Hkv, Hq // Hkv, D).transpose(0, 1)  # [Hkv, B, G, D]
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self.mask)  # [Hkv, B, G, D]
+        return out.transpose(0, 1).reshape(B, 1, Hq, D)

@@ -95,46 +95,55 @@ def test_session_takes_a_block_exactly_at_block_boundaries(tiny):
     _assert_pool_empty(engine)
 
 
-@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: large scores, the segment softmax must stay stable
-def test_decode_attention_matches_per_sequence_sdpa(scale):
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: large scores, the masked softmax must stay stable
+@pytest.mark.parametrize("all_write", [True, False])  # False: a finished row of a static batch writes nothing
+def test_decode_attention_matches_per_sequence_sdpa(scale, all_write):
     torch.manual_seed(0)
     Hq, Hkv, D, bs = 6, 2, 8, 4
-    pool = KVBlockPool(SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D), 32, bs, torch.float32,
-                       torch.device("cpu"))
+    pool = KVBlockPool(SimpleNamespace(num_layers=2, num_kv_heads=Hkv, head_dim=D, max_position_embeddings=64),
+                       32, bs, torch.float32, torch.device("cpu"))
     pool.k[0].zero_()  # the pool starts uninitialised (torch.empty); layer 0 must stay as we leave it
     free = torch.randperm(32).tolist()  # scattered, out-of-order blocks
     past_lens = [0, 5, 13, 3]
     B = len(past_lens)
+    writes = [True] * B if all_write else [True, True, False, True]
     past = [(torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)) for n in past_lens]
-    seq_slots = []
+    seq_slots, tables = [], []
     for n, (pk, pv) in zip(past_lens, past):
         table = [free.pop() for _ in range(-(-(n + 1) // bs))]
         pos = torch.arange(n + 1)
         slots = torch.tensor(table)[pos // bs] * bs + pos % bs
         pool.write(1, slots[:n], pk, pv)
         seq_slots.append(slots)
+        tables.append(table)
+    nb = max(len(t) for t in tables)
+    blocks = torch.tensor([t + [0] * (nb - len(t)) for t in tables])  # [B, nb], padded with block 0
+    lengths = torch.tensor([n + w for n, w in zip(past_lens, writes)])
+    writers = torch.tensor([b for b in range(B) if writes[b]])
     q = torch.randn(B, 1, Hq, D) * scale
     k, v = torch.randn(B, 1, Hkv, D), torch.randn(B, 1, Hkv, D)
-    new_slots = torch.stack([s[-1] for s in seq_slots])
-    segments = torch.repeat_interleave(torch.arange(B), torch.tensor([n + 1 for n in past_lens]))
-    out = DecodeAttention(pool, new_slots, torch.cat(seq_slots), segments)(1, q, k, v)
+    new_slots = torch.stack([seq_slots[b][-1] for b in writers.tolist()])
+    out = DecodeAttention(pool, new_slots, blocks, lengths, None if all_write else writers)(1, q, k, v)
     assert out.shape == (B, 1, Hq, D)
     for b, (pk, pv) in enumerate(past):
-        keys = torch.cat([pk, k[b]]).transpose(0, 1)[None]  # [1, Hkv, n+1, D]
-        values = torch.cat([pv, v[b]]).transpose(0, 1)[None]
+        new_k, new_v = (k[b], v[b]) if writes[b] else (k[b, :0], v[b, :0])
+        keys = torch.cat([pk, new_k]).transpose(0, 1)[None]  # [1, Hkv, n(+1), D]
+        values = torch.cat([pv, new_v]).transpose(0, 1)[None]
+        if keys.shape[2] == 0:
+            continue  # nothing to attend over: the row is thrown away by the engine
         ref = F.scaled_dot_product_attention(q[b].transpose(0, 1)[None], keys, values, enable_gqa=True)  # [1, Hq, 1, D]
         torch.testing.assert_close(out[b, 0], ref[0, :, 0], rtol=1e-5, atol=1e-5)
     # The new K/V went to their slots of layer 1, and layer 0 was left alone.
     got_k, got_v = pool.gather(1, new_slots)
-    torch.testing.assert_close(got_k, k[:, 0])
-    torch.testing.assert_close(got_v, v[:, 0])
+    torch.testing.assert_close(got_k, k[writers, 0])
+    torch.testing.assert_close(got_v, v[writers, 0])
     assert pool.k[0].abs().sum() == 0
 
 
 def test_prefill_attention_is_causal_and_writes_its_blocks():
     torch.manual_seed(1)
-    pool = KVBlockPool(SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=8), 8, 4, torch.float32,
-                       torch.device("cpu"))
+    pool = KVBlockPool(SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=8, max_position_embeddings=32),
+                       8, 4, torch.float32, torch.device("cpu"))
     slots = torch.tensor([20, 21, 22, 23, 8, 9])  # blocks 5 then 2
     q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
     out = PrefillAttention(pool, slots)(0, q, k, v)

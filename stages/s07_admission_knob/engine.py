@@ -41,6 +41,7 @@ class InferenceSession:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the blocks
     reserved: int = 0  # blocks booked for this session but not taken yet
+    row: int | None = None  # its row in pool.tables, the device mirror of block_table (from its first block on)
     timings: dict[str, float] = field(default_factory=dict)  # submitted, scheduled (perf_counter)
 
     @property
@@ -61,7 +62,17 @@ class InferenceSession:
         return -(-tokens // self.pool.block_size) + 1
 
     def take_slots(self, n: int) -> torch.Tensor:
-        """Slots for the next n tokens, taking new blocks from the pool as the last one fills."""
+        """Slots for the next n tokens (a prompt), taking new blocks from the pool as the last one fills."""
+        start = self.num_cached
+        self.make_room(n)
+        self.pool.tables.lengths[self.row] = self.num_cached
+        pos = torch.arange(start, start + n)
+        return torch.tensor(self.block_table)[pos // self.pool.block_size] * self.pool.block_size + pos % self.pool.block_size  # [n]
+
+    def make_room(self, n: int) -> None:
+        """Count n more cached tokens, taking a block each time the last one is full (mirrored on the device)."""
+        if self.row is None:
+            self.row = self.pool.tables.acquire()
         bs = self.pool.block_size
         last = self.num_cached // bs
         if self.num_cached % bs and self.pool.allocator.ref_counts[self.block_table[last]] > 1:
@@ -72,12 +83,15 @@ class InferenceSession:
             self.pool.copy_block(self.block_table[last], private)
             self.pool.allocator.decref(self.block_table[last])
             self.block_table[last] = private
+            self.pool.tables.set(self.row, last, [private])
+        first_new = len(self.block_table)
         while len(self.block_table) * bs < self.num_cached + n:
             self.block_table.append(self.pool.allocator.allocate())
             self.reserved -= 1
-        pos = torch.arange(self.num_cached, self.num_cached + n)
+        if len(self.block_table) > first_new:
+            self.pool.zero_if_fresh(self.block_table[first_new:])
+            self.pool.tables.set(self.row, first_new, self.block_table[first_new:])
         self.num_cached += n
-        return torch.tensor(self.block_table)[pos // bs] * bs + pos % bs  # [n]
 
     def attach_blocks(self, block_table: list[int], num_tokens: int) -> None:
         """Start from blocks someone else filled (shared: one more reference each, read-only)."""
@@ -85,6 +99,10 @@ class InferenceSession:
             self.pool.allocator.incref(block)
         self.block_table = list(block_table)
         self.num_cached = num_tokens
+        if self.row is None:
+            self.row = self.pool.tables.acquire()
+        self.pool.tables.set(self.row, 0, self.block_table)
+        self.pool.tables.lengths[self.row] = num_tokens
 
     def context_slots(self) -> torch.Tensor:
         """Slots of every cached token, in order: the block table read out."""
@@ -98,6 +116,9 @@ class InferenceSession:
             self.pool.allocator.decref(block)
         self.pool.allocator.unreserve(self.reserved)
         self.block_table, self.reserved, self.num_cached = [], 0, 0
+        if self.row is not None:
+            self.pool.tables.release(self.row)
+            self.row = None
 
 
 class InferenceEngine:
@@ -123,6 +144,7 @@ class InferenceEngine:
                                 int(block_size), loaded.dtype, self.device)
         self.prefix_cache = PrefixCache(self.pool, prefix_cache_max_entries)
         self._peak_blocks = 0
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
 
     def _num_blocks(self, block_size: int, concurrency: int | None, num_blocks: int | None) -> int:
         """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob).
@@ -259,17 +281,35 @@ class InferenceEngine:
 
         A finished session still in the batch (static batching keeps it until the batch ends) is
         fed its last token again and writes nothing: its row is computed and thrown away.
+        Positions, block tables and lengths come from the device mirror (`pool.tables`), indexed
+        by the sessions' rows: only the new token ids travel from Python.
         """
-        ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
-        positions = torch.tensor([[s.num_cached] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
         writers = [i for i, s in enumerate(sessions) if not s.finished]
-        new_slots = torch.cat([sessions[i].take_slots(1) for i in writers]).to(self.device)  # [W]
-        context = [s.context_slots() for s in sessions]
-        segments = torch.repeat_interleave(torch.arange(len(sessions)), torch.tensor([len(c) for c in context]))
-        attention = DecodeAttention(self.pool, new_slots, torch.cat(context).to(self.device), segments.to(self.device),
-                                    torch.tensor(writers, device=self.device))
-        first = torch.zeros(len(sessions), dtype=torch.long, device=self.device)
-        return self.model(ids, positions, attention, logits_indices=first)  # [B, V]
+        for i in writers:
+            sessions[i].make_room(1)  # a new block when the last one is full
+        tables, bs = self.pool.tables, self.pool.block_size
+        rows = self._index(tuple(s.row for s in sessions))  # [B]
+        w = None if len(writers) == len(sessions) else self._index(tuple(writers))  # [W]
+        w_rows = rows if w is None else rows[w]  # [W]
+        positions = tables.lengths[rows]  # [B]: tokens cached before this one
+        new_pos = positions if w is None else positions[w]  # [W]
+        table = tables.table[w_rows]  # [W, max blocks]
+        new_slots = table.gather(1, (new_pos // bs)[:, None])[:, 0] * bs + new_pos % bs  # [W]
+        tables.lengths.index_add_(0, w_rows, torch.ones_like(w_rows))
+        lengths = tables.lengths[rows]  # [B]: this step's token included (writers only)
+        nb = -(-max(s.num_cached for s in sessions) // bs)  # blocks of the longest session
+        attention = DecodeAttention(self.pool, new_slots, tables.table[rows, :nb], lengths, w)
+        ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        first = self._index((0,) * len(sessions))
+        return self.model(ids, positions[:, None], attention, logits_indices=first)  # [B, V]
+
+    def _index(self, values: tuple[int, ...]) -> torch.Tensor:
+        """`values` as a device tensor, made once per distinct batch (not every step)."""
+        if values not in self._indices:
+            if len(self._indices) > 16:
+                self._indices.clear()
+            self._indices[values] = torch.tensor(values, dtype=torch.long, device=self.device)
+        return self._indices[values]
 
     def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:
         """Sample one token for every session (all live), record it, and decide who is done. logits: [B, V]."""

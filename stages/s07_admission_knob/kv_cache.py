@@ -4,6 +4,10 @@ Stage 02 reserved `[B, longest prompt + max_new_tokens]` for every row of a batc
 KV memory is one pool of `num_blocks` blocks of `block_size` tokens per layer; a sequence
 owns a list of block ids (its *block table*) and takes a new block only when its last one
 is full. Short sequences hold little memory, and freed blocks are reused at once.
+
+The pool is laid out heads first, `[Hkv, num_blocks, block_size, D]`, so that one
+`index_select` over dim 1 copies whole blocks of a batch's sequences into a reused buffer that
+*is* the `[Hkv, B, L, D]` tensor attention wants: no per-step allocation, no reshuffling.
 """
 
 from __future__ import annotations
@@ -66,36 +70,99 @@ class BlockAllocator:
             self._free.append(block)
 
 
+class BlockTables:
+    """The live sessions' block tables and lengths on the device, one row per session.
+
+    A session's Python list stays the allocator's record; this is its mirror for the kernels
+    (vLLM calls it the persistent batch). It changes incrementally — one entry when a session
+    takes a block, +1 on the lengths of the rows a decode step wrote — so a step reads what it
+    needs with an index instead of rebuilding tensors from Python lists every step. Unused
+    entries hold block 0: reading them is harmless, attention masks them out by length.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, device: torch.device, rows: int = 8) -> None:
+        self.table = torch.zeros((rows, max_blocks_per_seq), dtype=torch.long, device=device)  # [rows, max blocks]
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]: tokens cached
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def acquire(self) -> int:
+        """A free row for a new session (the table doubles when every row is taken)."""
+        if not self._free_rows:
+            rows = self.table.shape[0]
+            self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+            self.lengths = torch.cat([self.lengths, torch.zeros_like(self.lengths)])
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def release(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def set(self, row: int, index: int, blocks: list[int]) -> None:
+        """Entries [index, index + len(blocks)) of `row` now name these blocks."""
+        self.table[row, index:index + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+
 class KVBlockPool:
-    """K and V for every layer: `[num_blocks, block_size, Hkv, D]` each, plus their allocator."""
+    """K and V for every layer: `[Hkv, num_blocks, block_size, D]` each, plus their allocator."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        # torch.empty: a slot is always written before it is read, and blocks nobody has used yet
-        # are never touched — so the OS does not even back them with memory.
+        shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        # torch.empty: blocks nobody has used yet are never touched, so the OS does not even back
+        # them with memory. A block is zeroed when it is first taken (see `zero_if_fresh`).
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
+        self._fresh = [True] * num_blocks  # never taken since the pool was made: uninitialised memory
+        self.zero_if_fresh([0])  # block 0 pads every block table (see BlockTables)
+        self.tables = BlockTables(-(-config.max_position_embeddings // block_size), device)
         self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * self.k[0].element_size()
+        self._scratch = torch.empty(0, dtype=dtype, device=device)  # decode gather buffer, reused by every layer
 
     @property
     def nbytes(self) -> int:
         return self.bytes_per_block * self.allocator.num_blocks
 
-    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ([N, Hkv, D]) at flat slots ([N]); slot = block_id * block_size + offset."""
-        self.k[layer_idx].view(-1, *k.shape[1:])[slots] = k
-        self.v[layer_idx].view(-1, *v.shape[1:])[slots] = v
-
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a shared block)."""
         for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]
+            k[:, dst] = k[:, src]
+            v[:, dst] = v[:, src]
+        self._fresh[dst] = False
+
+    def zero_if_fresh(self, blocks: list[int]) -> None:
+        """Zero blocks taken for the first time. Decode reads whole blocks, so the slots past a
+        sequence's length are read too (and masked): uninitialised memory there may hold NaN bit
+        patterns, and a masked NaN still poisons `softmax @ V` (0 * NaN = NaN)."""
+        fresh = [b for b in blocks if self._fresh[b]]
+        if fresh:
+            index = torch.tensor(fresh, device=self.k[0].device)
+            for t in self.k + self.v:
+                t.index_fill_(1, index, 0.0)
+            for b in fresh:
+                self._fresh[b] = False
+
+    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([N, Hkv, D]) at flat slots ([N]); slot = block_id * block_size + offset."""
+        for pool, new in ((self.k[layer_idx], k), (self.v[layer_idx], v)):
+            pool.view(pool.shape[0], -1, pool.shape[-1]).index_copy_(1, slots, new.transpose(0, 1))
 
     def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read K, V at flat slots ([N]) -> [N, Hkv, D] each (index_select: plain row copies, fast)."""
+        """Read K, V at flat slots ([N]) -> [N, Hkv, D] each (for tests and notebooks; decode uses gather_blocks)."""
         k, v = self.k[layer_idx], self.v[layer_idx]
-        return torch.index_select(k.view(-1, *k.shape[2:]), 0, slots), torch.index_select(v.view(-1, *v.shape[2:]), 0, slots)
+        return (torch.index_select(k.view(k.shape[0], -1, k.shape[-1]), 1, slots).transpose(0, 1),
+                torch.index_select(v.view(v.shape[0], -1, v.shape[-1]), 1, slots).transpose(0, 1))
+
+    def gather_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the listed blocks ([B * nb] ids, B block tables end to end) of one layer into the reused
+        scratch buffer; returns K, V as `[Hkv, B * nb, block_size, D]` views of it."""
+        Hkv, _, bs, D = self.k[layer_idx].shape
+        shape = (Hkv, blocks.shape[0], bs, D)
+        n = Hkv * blocks.shape[0] * bs * D
+        if self._scratch.numel() < 2 * n:  # grows (by half again) as contexts grow; never shrinks
+            self._scratch = torch.empty(3 * n, dtype=self._scratch.dtype, device=self._scratch.device)
+        k_out, v_out = self._scratch[:n].view(shape), self._scratch[n:2 * n].view(shape)
+        torch.index_select(self.k[layer_idx], 1, blocks, out=k_out)
+        torch.index_select(self.v[layer_idx], 1, blocks, out=v_out)
+        return k_out, v_out
