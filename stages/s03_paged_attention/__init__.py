@@ -2,13 +2,13 @@
 
 Stage 02 reserved a contiguous `[B, longest + max_new]` cache per batch, so short rows paid
 for the longest one. Here each request is an `InferenceSession` owning a block table into a
-shared `KVBlockPool`; it takes a block only when its last one is full, and decode reads a
-batch of different-length sessions packed end to end, with no padding. Still static batching.
+shared `KVBlockPool`; it takes a block only when its last one is full, and decode copies each
+session's blocks into one reused buffer and calls SDPA once per layer. Still static batching.
 Touches engine.py, attention.py and kv_cache.py.
 """
 
 from .engine import InferenceEngine, InferenceSession
-from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks
+from .kv_cache import BlockAllocator, BlockTables, KVBlockPool, OutOfKVBlocks
 
 # Files that differ from the previous stage.
 CHANGES: list[str] = ["__init__.py", "engine.py", "attention.py", "kv_cache.py", "test_stage.py"]
@@ -25,4 +25,4 @@ BENCH: dict = {
     "no_stop_on_eos": True,
 }
 
-__all__ = ["InferenceEngine", "InferenceSession", "BlockAllocator", "KVBlockPool", "OutOfKVBlocks"]
+__all__ = ["InferenceEngine", "InferenceSession", "BlockAllocator", "BlockTables", "KVBlockPool", "OutOfKVBlocks"]
