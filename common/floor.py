@@ -43,10 +43,12 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repeats: int = 30) -> float:
+def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repeats: int = 30,
+                    min_time_s: float = 0.0) -> float:
     """Median time (ms) of one decode step's matmuls alone, on [batch, in] inputs of the model's
     dtype and device. Inputs are made once, outside the timing; each matmul gets its own input
-    (as in the decoder, where every projection reads a fresh activation)."""
+    (as in the decoder, where every projection reads a fresh activation). At least `repeats`
+    timed steps, more until `min_time_s` has passed (a tiny model's step is too short for 30)."""
     if batch < 1 or repeats < 1:
         raise ValueError("batch and repeats: must be >= 1")
     mats = decode_matmuls(model)
@@ -62,8 +64,9 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     for _ in range(warmup):
         step()
     _sync(device)
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    deadline = time.perf_counter() + min_time_s
+    while len(times) < repeats or (time.perf_counter() < deadline and len(times) < 100 * repeats):
         t0 = time.perf_counter()
         step()
         _sync(device)
@@ -73,7 +76,7 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
 
 def floor_fields(model: torch.nn.Module, batch: int) -> dict[str, Any]:
     """The result-JSON fields: `floor_ms` and the `floor_batch` it was measured at."""
-    return {"floor_ms": matmul_floor_ms(model, batch), "floor_batch": int(batch)}
+    return {"floor_ms": matmul_floor_ms(model, batch, min_time_s=0.5), "floor_batch": int(batch)}
 
 
 def with_x_floor(result: dict, floor: dict | None) -> dict:
