@@ -17,6 +17,7 @@ instead (all requests submitted at once), which is where those stages show.
     stagewise ladder --out docs/results                       # smollm2-135m, default workload
     stagewise ladder --model tiny --out /tmp/ladder           # a quick check (under a minute)
     stagewise ladder --workload burst --mode streaming --tag --out docs/results
+    stagewise ladder --workload decode-step --tag --out docs/results   # step ms and x floor at batch 16
 
 The table and chart are drawn from the JSON alone (common/ladder_report.py), so a committed
 result can be redrawn without measuring again.
