@@ -289,8 +289,13 @@ def engine_result(spec: EngineSpec, mode: str) -> dict:
     if kv is not None:
         result["kv"] = kv
     with_x_floor(result, spec.floor)
-    result["process"] = spec.process or {"fresh_process": False, "pid": os.getpid(), "exit_code": None}
+    result["process"] = spec.process or shared_process(None)
     return result
+
+
+def shared_process(engines: int | None) -> dict:
+    """The `process` record of engines run here: alone (a single-stage bench) or alternating."""
+    return {"fresh_process": False, "engines_in_process": engines, "pid": os.getpid(), "exit_code": None}
 
 
 def write_json(path: str | Path, data: dict) -> None:
@@ -378,6 +383,7 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
         floor = floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests)))
         for spec in specs:
             spec.floor = floor
+            spec.process = shared_process(len(specs))
     if mode == "streaming":
         from common import streaming_bench
         headers = [streaming_bench.streaming_header(args, loaded, s) for s in specs]

@@ -54,7 +54,7 @@ def spawn(job: dict, engine: str) -> dict:
             raise WorkerError(f"{engine}: its worker process (pid {proc.pid}) exited with code {code}"
                               f"{'' if code else ' without a result'}; its error is printed above")
         result = json.loads(out_path.read_text())
-    result["process"] = {"fresh_process": True, "pid": proc.pid, "exit_code": code}
+    result["process"] = {"fresh_process": True, "engines_in_process": 1, "pid": proc.pid, "exit_code": code}
     return result
 
 

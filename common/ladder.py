@@ -25,7 +25,6 @@ result can be redrawn without measuring again.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from common import stages as registry
-from common.bench import accepted, wall_seconds, write_json
+from common.bench import accepted, shared_process, wall_seconds, write_json
 from common.envinfo import collect_env
 from common.floor import decode_batch, floor_fields, with_x_floor
 from common.ladder_report import HF_ENGINES, write_report
@@ -298,7 +297,7 @@ def entry(e: Engine, reference: str | None) -> dict:
     if setup_s:
         out["setup_s"] = list(setup_s)
     with_x_floor(out, e.floor)
-    out["process"] = e.process or {"fresh_process": False, "pid": os.getpid(), "exit_code": None}
+    out["process"] = e.process or shared_process(None)
     return out
 
 
@@ -387,6 +386,7 @@ def run_ladder(argv: list[str] | None = None) -> dict:
         floor = floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests)))
         for e in engines:
             e.floor = floor
+            e.process = shared_process(len(engines))
     else:
         run_in_fresh_processes(engines, argv, requests)
     correctness = check_tokens(engines)

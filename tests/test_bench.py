@@ -252,7 +252,8 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
     assert [c["engine"] for c in data["compare"]] == ["fake_s01", "hf_generate"]
     assert data["decode_step_ms"] == pytest.approx(1.0) and data["floor_batch"] == 5 and data["floor_ms"] > 0
     assert data["x_floor"] == pytest.approx(data["decode_step_ms"] / data["floor_ms"])
-    assert data["process"]["fresh_process"] is False and data["config"]["same_process"] is True
+    assert data["process"]["fresh_process"] is False and data["process"]["engines_in_process"] == 3
+    assert data["config"]["same_process"] is True
     for entry in data["compare"]:
         assert {"throughput_tok_s", "ttft_ms", "runs", "requests", "x_floor"} <= set(entry)
     assert set(data["ratios"]) == {"fake_s01", "hf_generate"}
