@@ -325,25 +325,6 @@ def offline_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
             "Repeats": f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"}
 
 
-def run_in_fresh_processes(specs: list[EngineSpec], stage_package: str, argv: list[str], mode: str,
-                           requests: list) -> dict:
-    """Each engine alone in its own `common.engine_worker` process (warmups, then repeats), one
-    after the other; their results land on `specs`. Returns the token-id check across them."""
-    from common.engine_worker import spawn, workload_digest
-
-    digest = workload_digest(requests)
-    for spec in specs:
-        print(f"=== {spec.name}: fresh process ===", flush=True)
-        job = {"kind": "bench", "package": stage_package, "argv": argv, "engine": spec.name, "mode": mode}
-        got = spawn(job, spec.name)
-        if got["workload_digest"] != digest:
-            raise RuntimeError(f"{spec.name}: its worker built a different workload (digest "
-                               f"{got['workload_digest']} != {digest}); the workload must depend on the flags only")
-        spec.summaries, spec.first_tokens = got["summaries"], got["first_tokens"]
-        spec.kv, spec.floor, spec.process = got["kv"], got["floor"], got["process"]
-    return check_same_tokens(specs, requests)
-
-
 def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     """Entry point of every `stages/<stage>/bench.py`; returns the JSON-shaped result."""
     module = importlib.import_module(stage_package)
@@ -372,7 +353,8 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
 
     fresh = len(specs) > 1 and not args.same_process
     if fresh:
-        correctness = run_in_fresh_processes(specs, stage_package, argv, mode, requests)
+        from common.engine_worker import run_bench_engines
+        correctness = run_bench_engines(specs, stage_package, argv, mode, requests)
     elif mode == "streaming":
         from common import streaming_bench
         correctness = streaming_bench.run_streaming_engines(specs, requests, args)

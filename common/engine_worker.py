@@ -10,6 +10,9 @@ warmup and the repeats, measures the matmul floor (common/floor.py), and writes 
 parent prints the reports and checks the greedy token ids across engines, as before.
 
     python -m common.engine_worker JOB.json OUT.json       (written and read by `spawn`)
+
+`run_bench_engines` and `run_ladder_engines` are the parents' side; `bench_job` and
+`ladder_job` the child's.
 """
 from __future__ import annotations
 
@@ -56,6 +59,46 @@ def spawn(job: dict, engine: str) -> dict:
         result = json.loads(out_path.read_text())
     result["process"] = {"fresh_process": True, "engines_in_process": 1, "pid": proc.pid, "exit_code": code}
     return result
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def run_bench_engines(specs: list, stage_package: str, argv: list[str], mode: str, requests: list) -> dict:
+    """Each bench engine alone in its own worker process (warmups, then repeats), one after the
+    other; their results land on `specs` (common.bench.EngineSpec). Returns the token-id check."""
+    from common.bench import check_same_tokens
+
+    digest = workload_digest(requests)
+    for spec in specs:
+        print(f"=== {spec.name}: fresh process ===", flush=True)
+        job = {"kind": "bench", "package": stage_package, "argv": argv, "engine": spec.name, "mode": mode}
+        got = spawn(job, spec.name)
+        if got["workload_digest"] != digest:
+            raise WorkerError(f"{spec.name}: its worker built a different workload (digest "
+                              f"{got['workload_digest']} != {digest}); the workload must depend on the flags only")
+        spec.summaries, spec.first_tokens = got["summaries"], got["first_tokens"]
+        spec.kv, spec.floor, spec.process = got["kv"], got["floor"], got["process"]
+    return check_same_tokens(specs, requests)
+
+
+def run_ladder_engines(engines: list, argv: list[str], requests: list) -> None:
+    """Each ladder rung (common.ladder.Engine) alone in its own worker process, one after the
+    other; a rung whose worker fails gets `error` set and the ladder goes on without it."""
+    digest = workload_digest(requests)
+    for e in engines:
+        print(f"=== {e.name}: fresh process ===", file=sys.stderr, flush=True)
+        try:
+            got = spawn({"kind": "ladder", "argv": argv, "engine": e.name}, e.name)
+        except WorkerError as exc:
+            e.error = str(exc)
+            print(f"WARNING: {e.error}", file=sys.stderr, flush=True)
+            continue
+        if got["workload_digest"] != digest:
+            e.error = f"its worker built a different workload (digest {got['workload_digest']} != {digest})"
+        else:
+            e.error = got["error"]
+        e.summaries, e.first_tokens, e.kv = got["summaries"], got["first_tokens"], got["kv"]
+        e.setup_s, e.floor, e.process = got["setup_s"], got["floor"], got["process"]
 
 
 # ----------------------------------------------------------------------------- child side

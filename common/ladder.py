@@ -340,27 +340,6 @@ def build_engines(args: argparse.Namespace, setup: Setup, stage_numbers: list[in
     return engines
 
 
-def run_in_fresh_processes(engines: list[Engine], argv: list[str], requests: list) -> None:
-    """Each engine alone in its own worker process, one after the other; a failed one is dropped."""
-    from common.engine_worker import WorkerError, spawn, workload_digest
-
-    digest = workload_digest(requests)
-    for e in engines:
-        print(f"=== {e.name}: fresh process ===", file=sys.stderr, flush=True)
-        try:
-            got = spawn({"kind": "ladder", "argv": argv, "engine": e.name}, e.name)
-        except WorkerError as exc:
-            e.error = str(exc)
-            print(f"WARNING: {e.error}", file=sys.stderr, flush=True)
-            continue
-        if got["workload_digest"] != digest:
-            e.error = f"its worker built a different workload (digest {got['workload_digest']} != {digest})"
-        else:
-            e.error = got["error"]
-        e.summaries, e.first_tokens, e.kv = got["summaries"], got["first_tokens"], got["kv"]
-        e.setup_s, e.floor, e.process = got["setup_s"], got["floor"], got["process"]
-
-
 def run_ladder(argv: list[str] | None = None) -> dict:
     """Run the ladder, print the table, write JSON/PNG/TXT into --out; returns the JSON dict."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -388,7 +367,8 @@ def run_ladder(argv: list[str] | None = None) -> dict:
             e.floor = floor
             e.process = shared_process(len(engines))
     else:
-        run_in_fresh_processes(engines, argv, requests)
+        from common.engine_worker import run_ladder_engines
+        run_ladder_engines(engines, argv, requests)
     correctness = check_tokens(engines)
     ref = correctness.get("reference")
     skipped += [{"engine": e.name, "reason": e.error} for e in engines if e.error]
