@@ -1,12 +1,17 @@
 """The benchmark harness every stage shares: `python -m stages.<stage>.bench`.
 
 Method (the same for every number this project reports):
-1. one `load_model()` per process, shared by every engine in the comparison;
-2. one workload (`common.workloads`), fresh copies of it for every run of every engine;
-3. correctness before timing: on the first warmup, a greedy workload must give the same token
-   ids on every compared engine (a loud warning names the first differing request);
-4. warmup runs, then repeat runs alternating engines (A B A B ...) so drift hits all of them;
-5. the report shows medians over repeats plus the run-to-run spread; `--json` keeps every run.
+1. each engine of a comparison in its own fresh process (common/engine_worker.py), because a
+   CPU engine's speed depends on what ran before it in the process; `--same-process` runs them
+   all in this one, alternating (A B A B ...), as the harness used to;
+2. one workload (`common.workloads`), rebuilt from the same flags and seed in every process
+   (checked by a digest), fresh copies of it for every run of every engine;
+3. correctness: a greedy workload must give the same token ids on every compared engine in its
+   first run (a loud warning names the first differing request);
+4. warmup runs, then repeat runs; the report shows medians over repeats plus the run-to-run
+   spread; `--json` keeps every run;
+5. the matmul floor (common/floor.py) measured in each engine's process after its runs, and
+   each engine's decode step (ITL p50) as a multiple of it: `x floor`.
 Stages 01-03 are measured through `engine.generate(requests)` (offline); stages that export a
 `SchedulerManager` go through `common.streaming_bench`, the posts' streaming benchmark.
 """
@@ -16,6 +21,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +33,7 @@ import torch
 
 from common import stages as registry
 from common.envinfo import collect_env
+from common.floor import decode_batch, floor_fields, with_x_floor
 from common.metrics import median_summary, summarize
 from common.report import comparison_ratios, format_comparison, format_report
 from common.workloads import build_workload, fresh_copies
@@ -44,6 +51,10 @@ class EngineSpec:
     engine: Any = None
     knobs: dict = field(default_factory=dict)  # the engine knobs its constructor accepted
     summaries: list[dict] = field(default_factory=list)
+    first_tokens: list[list[int]] | None = None  # token ids of its first run, per request
+    kv: dict | None = None                 # kv_stats() (from its worker process, or the engine)
+    floor: dict | None = None              # floor_ms, floor_batch (measured in its process)
+    process: dict | None = None            # fresh_process, pid, exit_code
 
 
 # ----------------------------------------------------------------------------- flags
@@ -88,6 +99,8 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--repeat-runs", type=int, default=3)
     g.add_argument("--compare", action="store_true", help="also run the previous stage, same workload")
     g.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate")
+    g.add_argument("--same-process", action="store_true",
+                   help="run compared engines in this one process, alternating (default: each in a fresh process)")
     g.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
     add_streaming_args(p)
     if defaults:
@@ -217,16 +230,17 @@ def run_offline_once(spec: EngineSpec, requests: list) -> tuple[dict, list]:
     return summarize(completions, wall_s=wall_seconds(completions, t0, t1)), completions
 
 
-def check_same_tokens(specs: list[EngineSpec], outputs: list[list], requests: list) -> dict:
-    """Greedy decoding is deterministic: every engine must produce the stage's token ids."""
+def check_same_tokens(specs: list[EngineSpec], requests: list) -> dict:
+    """Greedy decoding is deterministic: every engine's first run must give the stage's token ids."""
     if not all(r.params.greedy for r in requests):
         return {"checked": False, "reason": "sampling workload"}
     mismatches: dict[str, dict] = {}
-    ref = outputs[0]
-    for spec, got in zip(specs[1:], outputs[1:]):
+    ref = specs[0].first_tokens or []
+    for spec in specs[1:]:
+        got = spec.first_tokens or []
         for i in range(max(len(ref), len(got))):
-            a = ref[i].token_ids if i < len(ref) else None
-            b = got[i].token_ids if i < len(got) else None
+            a = ref[i] if i < len(ref) else None
+            b = got[i] if i < len(got) else None
             if a != b:
                 mismatches[spec.name] = {"request": i, specs[0].name: a, spec.name: b}
                 print(f"WARNING: token ids differ between {specs[0].name} and {spec.name} at request {i} "
@@ -243,35 +257,45 @@ def run_engines(specs: list[EngineSpec], run_once: Callable[[EngineSpec], tuple[
     """Warmups, then repeats alternating engines (A B A B ...); returns the correctness record."""
     correctness: dict = {"checked": False}
 
-    def one(spec: EngineSpec) -> tuple[dict, list]:
+    def one(spec: EngineSpec) -> dict:
         if spec.engine is None or fresh_engine:
             spec.engine = spec.factory()
-        return run_once(spec)
+        summary, completions = run_once(spec)
+        if spec.first_tokens is None:
+            spec.first_tokens = [list(c.token_ids) for c in completions]
+        return summary
 
     for w in range(warmup_runs):
         print(f"=== warmup {w + 1}/{warmup_runs} ===", flush=True)
-        outputs = [one(spec)[1] for spec in specs]
+        for spec in specs:
+            one(spec)
         if w == 0:
-            correctness = check_same_tokens(specs, outputs, requests)
+            correctness = check_same_tokens(specs, requests)
     for r in range(repeat_runs):
         print(f"=== run {r + 1}/{repeat_runs} ===", flush=True)
-        outputs = []
         for spec in specs:
-            summary, completions = one(spec)
-            spec.summaries.append(summary)
-            outputs.append(completions)
+            spec.summaries.append(one(spec))
         if warmup_runs == 0 and r == 0:
-            correctness = check_same_tokens(specs, outputs, requests)
+            correctness = check_same_tokens(specs, requests)
     return correctness
 
 
 def engine_result(spec: EngineSpec, mode: str) -> dict:
-    """Medians over repeats at top level, every run kept under "runs"."""
+    """Medians over repeats at top level, every run kept under "runs", then the floor fields
+    and the process the engine ran in."""
     result = {"engine": spec.name, "mode": mode, **median_summary(spec.summaries)}
     result["runs"] = spec.summaries
-    if hasattr(spec.engine, "kv_stats"):
-        result["kv"] = spec.engine.kv_stats()
+    kv = spec.kv if spec.kv is not None else (spec.engine.kv_stats() if hasattr(spec.engine, "kv_stats") else None)
+    if kv is not None:
+        result["kv"] = kv
+    with_x_floor(result, spec.floor)
+    result["process"] = spec.process or shared_process(None)
     return result
+
+
+def shared_process(engines: int | None) -> dict:
+    """The `process` record of engines run here: alone (a single-stage bench) or alternating."""
+    return {"fresh_process": False, "engines_in_process": engines, "pid": os.getpid(), "exit_code": None}
 
 
 def write_json(path: str | Path, data: dict) -> None:
@@ -306,6 +330,7 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     module = importlib.import_module(stage_package)
     parser = build_parser(f"python -m {stage_package}.bench")
     parser.set_defaults(**bench_defaults(module, parser))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     check_args(args)
     from common.loader import load_model
@@ -326,14 +351,28 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     for note in notes:
         print(f"note: {note}", flush=True)
 
-    if mode == "streaming":
+    fresh = len(specs) > 1 and not args.same_process
+    if fresh:
+        from common.engine_worker import run_bench_engines
+        correctness = run_bench_engines(specs, stage_package, argv, mode, requests)
+    elif mode == "streaming":
         from common import streaming_bench
         correctness = streaming_bench.run_streaming_engines(specs, requests, args)
-        headers = [streaming_bench.streaming_header(args, loaded, s) for s in specs]
     else:
         correctness = run_engines(specs, lambda s: run_offline_once(s, requests), requests,
                                   args.warmup_runs, args.repeat_runs, args.fresh_engine)
+    if not fresh:  # measured here, after the runs, as each worker does in its own process
+        floor = floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests)))
+        for spec in specs:
+            spec.floor = floor
+            spec.process = shared_process(len(specs))
+    if mode == "streaming":
+        from common import streaming_bench
+        headers = [streaming_bench.streaming_header(args, loaded, s) for s in specs]
+    else:
         headers = [offline_header(args, loaded, s) for s in specs]
+    for header in headers:
+        header["Process"] = "fresh, this engine alone" if fresh or len(specs) == 1 else "shared, engines alternating"
 
     results = [engine_result(s, mode) for s in specs]
     for result, header in zip(results, headers):

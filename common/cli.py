@@ -4,6 +4,7 @@
     stagewise bench --stage 2 [any flag of python -m stages.<stage>.bench]
     stagewise stages
     stagewise ladder ...          (every stage on one workload; provided by common/ladder.py)
+    stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
 handed over untouched, so the two spellings can never drift apart.
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False, help="a stage's benchmark: bench --stage N [bench flags] (--help for them)")
     sub.add_parser("stages", help="list the stages and what each adds")
     sub.add_parser("ladder", add_help=False, help="every stage on one workload (common/ladder.py)")
+    sub.add_parser("stability", add_help=False, help="one stage's bench in N fresh processes (common/stability.py)")
     return parser
 
 
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     if argv and argv[0] == "ladder":
         return cmd_ladder(argv[1:])
+    if argv and argv[0] == "stability":
+        from common import stability
+        return stability.main(argv[1:])
     args = build_parser().parse_args(argv)
     return {"generate": cmd_generate, "stages": cmd_stages}[args.command](args)
 

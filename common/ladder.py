@@ -1,10 +1,12 @@
-"""`stagewise ladder`: every stage, plus Hugging Face, on one workload in one process.
+"""`stagewise ladder`: every stage, plus Hugging Face, on one workload, each in a fresh process.
 
 The one picture that shows how each idea moves the numbers. The method is the benchmark's
-(common/bench.py): one `load_model()` shared by every engine; fresh copies of one workload for
-every run; correctness before timing (on the first warmup every engine's greedy token ids must
-equal stage 01's); warmups, then repeats that alternate engines (A B C ... A B C ...) so drift
-on a shared machine hits all of them; medians over repeats, every run kept in the JSON.
+(common/bench.py): each engine alone in its own process (common/engine_worker.py), since on a
+CPU an engine's speed depends on what ran before it in the process; the same workload rebuilt
+from the same flags in each; correctness (every engine's first-run greedy token ids must equal
+stage 01's); a warmup, then repeats; medians over repeats, every run kept in the JSON; the
+matmul floor measured in each process, so each rung's decode step reads as `x floor`.
+`--same-process` runs every engine in this process instead, alternating (A B C ... A B C ...).
 
 Every engine goes through the same door, `engine.generate(requests)` (offline: all requests
 at once), so the numbers compare like with like. That door does not show everything: stages
@@ -15,6 +17,7 @@ instead (all requests submitted at once), which is where those stages show.
     stagewise ladder --out docs/results                       # smollm2-135m, default workload
     stagewise ladder --model tiny --out /tmp/ladder           # a quick check (under a minute)
     stagewise ladder --workload burst --mode streaming --tag --out docs/results
+    stagewise ladder --workload decode-step --tag --out docs/results   # step ms and x floor at batch 16
 
 The table and chart are drawn from the JSON alone (common/ladder_report.py), so a committed
 result can be redrawn without measuring again.
@@ -33,8 +36,9 @@ from typing import Any, Callable
 import torch
 
 from common import stages as registry
-from common.bench import accepted, wall_seconds, write_json
+from common.bench import accepted, shared_process, wall_seconds, write_json
 from common.envinfo import collect_env
+from common.floor import decode_batch, floor_fields, with_x_floor
 from common.ladder_report import HF_ENGINES, write_report
 from common.metrics import median_summary, summarize
 from common.requests import prepare_prompt
@@ -62,7 +66,11 @@ WORKLOADS: dict[str, tuple[str, dict, dict]] = {
               {"prefill_max_batch_size": 32}),
     "repeated-prompts": ("the same long prompt again and again (stage 05)",
                          dict(num_requests=32, prompt=LONG_PROMPT, max_new_tokens=8, stop_on_eos=False), {}),
+    "decode-step": ("the decode step against the matmul floor: 16 rows of 160 tokens in one batch",
+                    dict(num_requests=16, prompt_len_range=(160, 160), max_new_tokens=40, stop_on_eos=False),
+                    {"max_batch_size": 16}),
 }
+DEFAULT_MAX_BATCH_SIZE = 8
 
 
 @dataclass
@@ -79,6 +87,19 @@ class Engine:
     first_tokens: list[list[int]] | None = None   # token ids of its first run (the correctness check)
     match: bool | None = None                     # those ids equal the reference engine's
     error: str | None = None
+    kv: dict | None = None                        # kv_stats(), from its worker process
+    setup_s: list[float] | None = None
+    floor: dict | None = None                     # floor_ms, floor_batch, measured in its process
+    process: dict | None = None                   # fresh_process, pid, exit_code
+
+
+@dataclass
+class Setup:
+    """What every engine of a ladder shares: the model, the workload, the KV pool size."""
+    loaded: Any
+    requests: list
+    kw: dict
+    num_blocks: int
 
 
 # ----------------------------------------------------------------------------- flags and workload
@@ -94,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's")
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the workload's (long ones scale)")
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-batch-size", type=int, default=None, help="default: the workload's, else 8")
     p.add_argument("--prefill-max-batch-size", type=int, default=None, help="stage 07+ managers (streaming mode)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool of stages 03+ (default: fits the workload)")
     p.add_argument("--mode", choices=["offline", "streaming"], default="offline",
@@ -106,7 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 for the tiny model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--same-process", action="store_true",
+                   help="run every engine in this process, alternating (default: each in a fresh process)")
     return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags, with the workload's own max batch sizes where none is given."""
+    args = build_parser().parse_args(argv)
+    preset = WORKLOADS[args.workload][2]
+    args.max_batch_size = args.max_batch_size or preset.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)
+    args.prefill_max_batch_size = args.prefill_max_batch_size or preset.get("prefill_max_batch_size")
+    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.max_batch_size < 1:
+        raise SystemExit("--repeat-runs and --max-batch-size must be >= 1, --warmup-runs >= 0")
+    return args
 
 
 def workload_kwargs(args: argparse.Namespace, max_model_len: int, notes: list[str]) -> dict:
@@ -255,11 +289,15 @@ def entry(e: Engine, reference: str | None) -> dict:
     out: dict[str, Any] = {"engine": e.name, "label": e.label, "stage": e.stage, "mode": e.mode}
     out.update(median_summary(e.summaries))
     out["runs"] = e.summaries
-    out["kv"] = e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else {"peak_kv_bytes": None}
+    kv = e.kv if e.kv is not None else (e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else None)
+    out["kv"] = kv or {"peak_kv_bytes": None}
     out["tokens_match_reference"] = e.match
     out["tokens_match_stage1"] = e.match if reference == "s01_naive_batching" else None
-    if getattr(e.engine, "setup_s", None):
-        out["setup_s"] = list(e.engine.setup_s)
+    setup_s = e.setup_s if e.setup_s is not None else getattr(e.engine, "setup_s", None)
+    if setup_s:
+        out["setup_s"] = list(setup_s)
+    with_x_floor(out, e.floor)
+    out["process"] = e.process or shared_process(None)
     return out
 
 
@@ -274,19 +312,10 @@ def parse_stages(text: str | None) -> list[int]:
     return wanted
 
 
-def run_ladder(argv: list[str] | None = None) -> dict:
-    """Run the ladder, print the table, write JSON/PNG/TXT into --out; returns the JSON dict."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.max_batch_size < 1:
-        raise SystemExit("--repeat-runs and --max-batch-size must be >= 1, --warmup-runs >= 0")
-    try:
-        stage_numbers = parse_stages(args.stages)
-    except ValueError as exc:
-        raise SystemExit(f"--stages: {exc}") from None
+def prepare(args: argparse.Namespace, notes: list[str]) -> Setup:
+    """Load the model and build the workload; the parent and every worker do exactly this."""
     from common.loader import load_model
 
-    notes: list[str] = []
     if args.threads is None and args.model == "tiny":
         args.threads = 1
         notes.append("tiny model: 1 CPU thread (too small to gain from more; on a busy machine idle "
@@ -296,24 +325,50 @@ def run_ladder(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     max_len = int(loaded.config.max_position_embeddings)
-    skipped: list[dict] = []
-    args.prefill_max_batch_size = args.prefill_max_batch_size or WORKLOADS[args.workload][2].get("prefill_max_batch_size")
     kw = workload_kwargs(args, max_len, notes)
     requests = build_workload(loaded.tokenizer, seed=args.seed, **kw)
     concurrency = min(len(requests), max(args.max_batch_size, args.prefill_max_batch_size or 0))
     num_blocks = args.num_kv_blocks or auto_kv_blocks(requests, loaded.tokenizer, max_len, concurrency)
-    knobs = {"num_kv_blocks": num_blocks}
+    return Setup(loaded, requests, kw, num_blocks)
+
+
+def build_engines(args: argparse.Namespace, setup: Setup, stage_numbers: list[int], hf: bool,
+                  notes: list[str], skipped: list[dict]) -> list[Engine]:
+    engines = [stage_engine(n, args, setup.loaded, {"num_kv_blocks": setup.num_blocks}) for n in stage_numbers]
+    if hf:
+        engines += hf_engines(args, setup.loaded, setup.num_blocks, notes, skipped)
+    return engines
+
+
+def run_ladder(argv: list[str] | None = None) -> dict:
+    """Run the ladder, print the table, write JSON/PNG/TXT into --out; returns the JSON dict."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    try:
+        stage_numbers = parse_stages(args.stages)
+    except ValueError as exc:
+        raise SystemExit(f"--stages: {exc}") from None
+    notes: list[str] = []
+    skipped: list[dict] = []
+    setup = prepare(args, notes)
+    loaded, requests, kw, num_blocks = setup.loaded, setup.requests, setup.kw, setup.num_blocks
     notes.append(f"KV pool of stages 03+: {num_blocks} blocks of 16 tokens "
                  f"({num_blocks * 16 * loaded.config.kv_bytes_per_token(loaded.dtype) / 2**20:,.1f} MiB)")
     if args.mode == "offline":
         notes.append("offline generate(): stages 06, 07 and 09 change the streaming SchedulerManager, "
                      "which this mode does not use (--mode streaming does)")
-    engines = [stage_engine(n, args, loaded, knobs) for n in stage_numbers]
-    if not args.no_hf:
-        engines += hf_engines(args, loaded, num_blocks, notes, skipped)
+    engines = build_engines(args, setup, stage_numbers, not args.no_hf, notes, skipped)
 
     t0 = time.perf_counter()
-    run_all(engines, requests, args)
+    if args.same_process:
+        run_all(engines, requests, args)
+        floor = floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests)))
+        for e in engines:
+            e.floor = floor
+            e.process = shared_process(len(engines))
+    else:
+        from common.engine_worker import run_ladder_engines
+        run_ladder_engines(engines, argv, requests)
     correctness = check_tokens(engines)
     ref = correctness.get("reference")
     skipped += [{"engine": e.name, "reason": e.error} for e in engines if e.error]

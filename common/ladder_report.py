@@ -23,14 +23,14 @@ def format_table(data: dict) -> str:
     rows = data["entries"]
     base = next((r for r in rows if r["engine"] == "s01_naive_batching"), None)
     head = (f"{'engine':26s} {'mode':9s} {'compl tok/s':>11s} {'total tok/s':>11s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-            f"{'TPOT p50':>9s} {'peak KV':>9s} {'x s01':>6s}  tokens")
+            f"{'TPOT p50':>9s} {'step ms':>8s} {'x floor':>7s} {'peak KV':>9s} {'x s01':>6s}  tokens")
     lines = [f"=== ladder: {data['model']} on {data['env']['device_name']} ({data['dtype']}) ===",
              f"Workload: {data['workload']['description']}",
              f"Tokens per run: {data['workload']['prompt_tokens']} prompt + {data['workload']['completion_tokens']} "
              f"completion; max batch size {data['config']['max_batch_size']}",
              f"Method: {data['config']['warmup_runs']} warmup + {data['config']['repeat_runs']} "
-             f"repeat{'s' if data['config']['repeat_runs'] != 1 else ''}, engines "
-             f"alternating, medians; times in ms, peak KV in MiB", head, "-" * len(head)]
+             f"repeat{'s' if data['config']['repeat_runs'] != 1 else ''}, {_method(data)}, "
+             f"medians; times in ms, peak KV in MiB", head, "-" * len(head)]
     for r in rows:
         peak = r["kv"].get("peak_kv_bytes")
         ratio = (r["throughput_tok_s"]["completion"] / base["throughput_tok_s"]["completion"]
@@ -39,11 +39,24 @@ def format_table(data: dict) -> str:
         lines.append(f"{r['engine']:26s} {r['mode']:9s} {_f(r['throughput_tok_s']['completion']):>11s} "
                      f"{_f(r['throughput_tok_s']['total']):>11s} {_f(r['ttft_ms']['p50']):>9s} "
                      f"{_f(r['ttft_ms']['p99']):>9s} {_f(r['tpot_ms']['p50']):>9s} "
+                     f"{_f(r.get('decode_step_ms')):>8s} {_f(r.get('x_floor')):>7s} "
                      f"{_f(None if peak is None else peak / 2**20):>9s} {_f(ratio):>6s}  {ok}")
     for s in data["skipped"]:
         lines.append(f"{s['engine']:26s} skipped: {s['reason']}")
+    floors = [r["floor_ms"] for r in rows if r.get("floor_ms") is not None]
+    if floors:
+        batch = next(r.get("floor_batch") for r in rows if r.get("floor_ms") is not None)
+        lines.append(f"Matmul floor at batch {batch} (the model's matmuls alone, measured in each engine's "
+                     f"process): {min(floors):.3f}-{max(floors):.3f} ms; x floor = step ms / that process's floor")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
+
+
+def _method(data: dict) -> str:
+    """Old results (no `same_process` in their config) ran every engine in one process."""
+    if data["config"].get("same_process", True):
+        return "engines alternating in one process"
+    return "each engine in its own fresh process"
 
 
 def write_chart(data: dict, path: Path) -> None:

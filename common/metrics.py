@@ -5,6 +5,8 @@ Per request, with `ts` = its token timestamps and `submitted` = `timings["submit
 * TTFT    = ts[0] - submitted                    (queueing + prefill + first sample)
 * TPOT    = (ts[-1] - ts[0]) / (n - 1)            (0 when n == 1, as the posts print 0.00)
 * ITL     = every ts[i] - ts[i-1], pooled over all requests (the distribution of gaps)
+* decode step = ITL p50: the median gap, i.e. the time one decode step takes as a client sees it
+  (compared with the matmul floor of common/floor.py)
 * latency = ts[-1] - submitted
 * throughput = completion tokens / wall and (prompt + completion) tokens / wall, with
   wall = first submit -> last token unless the caller measured it.
@@ -102,6 +104,7 @@ def summarize(completions: Sequence[Completion], wall_s: float | None = None) ->
         "itl_ms": _ms(itl),
         "latency_ms": _ms(latency),
     }
+    out["decode_step_ms"] = out["itl_ms"]["p50"]
     for key, values in (
         ("tokenize_ms", tokenize),
         ("queue_wait_ms", queue_wait),

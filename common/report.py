@@ -51,11 +51,24 @@ def format_report(summary: dict, header: dict, runs: list[dict] | None = None,
     if isinstance(tput, dict):
         lines.append(f"Throughput (completion,total): {float(tput['completion']):.2f}/"
                      f"{float(tput['total']):.2f} tokens/s")
+    lines += floor_lines(summary)
     if runs and len(runs) > 1:
         per_run = [float(r["throughput_tok_s"]["completion"]) for r in runs]
         lines.append(f"Runs: {len(runs)} (medians above; completion tokens/s per run: "
                      f"{', '.join(f'{x:.2f}' for x in per_run)}; spread {_spread_pct(per_run):.1f}%)")
     return "\n".join(lines)
+
+
+def floor_lines(summary: dict) -> list[str]:
+    """Decode step, the matmul floor at the decode batch, and their ratio (when measured)."""
+    lines = []
+    if summary.get("decode_step_ms") is not None:
+        lines.append(f"Decode step (ms): {float(summary['decode_step_ms']):.2f}")
+    if summary.get("floor_ms") is not None:
+        lines.append(f"Matmul floor at batch {summary.get('floor_batch', '?')} (ms): {float(summary['floor_ms']):.3f}")
+    if summary.get("x_floor") is not None:
+        lines.append(f"x floor: {float(summary['x_floor']):.2f}")
+    return lines
 
 
 def _spread_pct(values: list[float]) -> float:
@@ -86,6 +99,8 @@ COMPARISON_ROWS: list[tuple[str, str, Callable[[dict], float | None], bool, floa
     ("queue_wait_p50", "Queue wait p50 (ms)", _get("queue_wait_ms", "p50"), False, 1.0),
     ("tpot_p50", "TPOT p50 (ms/token)", _get("tpot_ms", "p50"), False, 1.0),
     ("itl_p50", "ITL p50 (ms)", _get("itl_ms", "p50"), False, 1.0),
+    ("decode_step", "Decode step (ms)", _get("decode_step_ms"), False, 1.0),
+    ("x_floor", "x floor", _get("x_floor"), False, 1.0),
     ("latency_p50", "Latency p50 (ms)", _get("latency_ms", "p50"), False, 1.0),
     ("latency_p99", "Latency p99 (ms)", _get("latency_ms", "p99"), False, 1.0),
     ("wall_s", "Wall (s)", _get("wall_s"), False, 1.0),

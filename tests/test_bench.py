@@ -39,10 +39,20 @@ class FakeTokenizer:
         return "".join(chr(65 + i % 26) for i in ids)
 
 
+def fake_model(hidden: int = 8, layers: int = 2, vocab: int = 32) -> types.SimpleNamespace:
+    """Just the weights common/floor.py reads: one Llama-shaped block per layer and an lm_head."""
+    def block() -> types.SimpleNamespace:
+        return types.SimpleNamespace(qkv_weight=torch.randn(3 * hidden, hidden), qkv_bias=None,
+                                     o_weight=torch.randn(hidden, hidden), o_bias=None,
+                                     gate_up_weight=torch.randn(4 * hidden, hidden),
+                                     down_weight=torch.randn(hidden, 2 * hidden))
+    return types.SimpleNamespace(layers=[block() for _ in range(layers)], lm_head_weight=torch.randn(vocab, hidden))
+
+
 def fake_loaded():
     config = types.SimpleNamespace(max_position_embeddings=512, eos_token_ids=(2,))
     return types.SimpleNamespace(name="fake", path=Path("/nonexistent"), tokenizer=FakeTokenizer(), config=config,
-                                 device=torch.device("cpu"), dtype=torch.float32)
+                                 device=torch.device("cpu"), dtype=torch.float32, model=fake_model())
 
 
 class FakeEngine:
@@ -224,10 +234,11 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
 
     out = tmp_path / "sub" / "out.json"
     run_stage_bench("fake_s02", ["--compare", "--baseline", "hf", "--warmup-runs", "1", "--repeat-runs", "2",
-                                 "--block-size", "32", "--json", str(out)])
+                                 "--block-size", "32", "--same-process", "--json", str(out)])
     data = json.loads(out.read_text())
     for key in ("stage", "model", "device", "dtype", "config", "env", "requests", "prompt_tokens",
-                "completion_tokens", "wall_s", "throughput_tok_s", "kv", "runs", "compare", "ratios", "correctness"):
+                "completion_tokens", "wall_s", "throughput_tok_s", "kv", "runs", "compare", "ratios", "correctness",
+                "decode_step_ms", "floor_ms", "floor_batch", "x_floor", "process"):
         assert key in data, key
     assert data["stage"] == "fake_s02" and data["model"] == "fake" and data["device"] == "cpu"
     assert data["requests"] == 5 and data["completion_tokens"] == 15  # BENCH defaults
@@ -239,8 +250,12 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
             "torch_threads", "cpu_count"} <= set(data["env"])
     assert len(data["runs"]) == 2 and data["kv"] == {"peak_kv_bytes": 2**20}
     assert [c["engine"] for c in data["compare"]] == ["fake_s01", "hf_generate"]
+    assert data["decode_step_ms"] == pytest.approx(1.0) and data["floor_batch"] == 5 and data["floor_ms"] > 0
+    assert data["x_floor"] == pytest.approx(data["decode_step_ms"] / data["floor_ms"])
+    assert data["process"]["fresh_process"] is False and data["process"]["engines_in_process"] == 3
+    assert data["config"]["same_process"] is True
     for entry in data["compare"]:
-        assert {"throughput_tok_s", "ttft_ms", "runs", "requests"} <= set(entry)
+        assert {"throughput_tok_s", "ttft_ms", "runs", "requests", "x_floor"} <= set(entry)
     assert set(data["ratios"]) == {"fake_s01", "hf_generate"}
     assert data["correctness"] == {"checked": True, "equal": True, "mismatches": {}}
     assert PagedFakeEngine.seen and all(s == {"block_size": 32} for s in PagedFakeEngine.seen)
@@ -249,13 +264,15 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
     assert "=== warmup 1/1 ===" in text and "=== run 2/2 ===" in text
     assert "fake_s01 takes no block_size" in text  # knob not offered to an engine without it
     assert "=== comparison" in text and "fake_s02 vs fake_s01" in text
+    assert "Decode step (ms): 1.00" in text and "Matmul floor at batch 5 (ms):" in text and "x floor:" in text
+    assert "Process: shared, engines alternating" in text
 
 
 def test_token_mismatch_is_reported_not_fatal(fake_stages, capsys):
     from common.bench import run_stage_bench
 
     fake_stages["first"].InferenceEngine = WrongEngine
-    result = run_stage_bench("fake_s02", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1"])
+    result = run_stage_bench("fake_s02", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1", "--same-process"])
     assert result["correctness"]["equal"] is False
     assert result["correctness"]["mismatches"]["fake_s01"]["request"] == 0
     assert "WARNING: token ids differ between fake_s02 and fake_s01 at request 0" in capsys.readouterr().err
@@ -269,6 +286,7 @@ def test_flags_override_bench_defaults(fake_stages):
     assert result["requests"] == 2 and result["completion_tokens"] == 6
     assert 8 <= result["prompt_tokens"] <= 12
     assert result["compare"] == [] and result["correctness"] == {"checked": False, "equal": True, "mismatches": {}}
+    assert result["floor_batch"] == 2 and result["x_floor"] > 0  # a single stage gets the floor too
 
 
 # ----------------------------------------------------------------------------- registry, cli, env

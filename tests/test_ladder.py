@@ -62,6 +62,9 @@ def test_every_engine_has_the_fields_the_docs_read(small_run) -> None:
         assert "peak_kv_bytes" in e["kv"]
         assert len(e["runs"]) == 1 and e["mode"] == "offline"
         assert e["tokens_match_stage1"] is True, e["engine"]
+        assert e["process"]["fresh_process"] is True and e["process"]["exit_code"] == 0, e["engine"]
+        assert e["floor_batch"] == 4 and e["floor_ms"] > 0 and e["x_floor"] > 0, e["engine"]
+    assert len({e["process"]["pid"] for e in data["entries"]}) == len(data["entries"])  # one process each
     assert data["correctness"] == {"checked": True, "reference": "s01_naive_batching", "equal": True,
                                    "mismatches": {}}
     cb = [e for e in data["entries"] if e["engine"] == "hf_continuous_batching"]

@@ -136,8 +136,9 @@ class FakeManager:
 
 def _loaded():
     config = types.SimpleNamespace(max_position_embeddings=512, eos_token_ids=(2,))
+    from tests.test_bench import fake_model
     return types.SimpleNamespace(name="fake", path=Path("/nonexistent"), tokenizer=FakeTokenizer(), config=config,
-                                 device=torch.device("cpu"), dtype=torch.float32)
+                                 device=torch.device("cpu"), dtype=torch.float32, model=fake_model())
 
 
 def _requests(n: int, max_new_tokens: int = 2) -> list[Request]:
@@ -209,7 +210,7 @@ def test_streaming_bench_json_and_report(fake_streaming_stages, tmp_path, capsys
 
     out = tmp_path / "r.json"
     run_stage_bench("fake_s05", ["--compare", "--submit-interval-ms", "5", "--warmup-runs", "1",
-                                 "--repeat-runs", "2", "--pretok", "--stream-interval", "2", "--json", str(out)])
+                                 "--repeat-runs", "2", "--pretok", "--stream-interval", "2", "--same-process", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["mode"] == "streaming" and data["requests"] == 6 and data["completion_tokens"] == 18
     for key in ("submit_wall_s", "submit_lag_ms", "add_request_ms", "tokenize_ms", "queue_wait_ms",
@@ -228,7 +229,7 @@ def test_streaming_bench_json_and_report(fake_streaming_stages, tmp_path, capsys
 def test_compare_with_a_stage_without_manager_falls_back_to_offline(fake_streaming_stages, capsys):
     from common.bench import run_stage_bench
 
-    result = run_stage_bench("fake_s04", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1"])
+    result = run_stage_bench("fake_s04", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1", "--same-process"])
     assert result["mode"] == "offline" and result["compare"][0]["engine"] == "fake_s03"
     assert "submit_lag_ms" not in result
     assert "fake_s03 has no SchedulerManager: every engine runs through offline generate()" in capsys.readouterr().out

@@ -265,6 +265,8 @@ COMPARE_ROWS: list[tuple[str, str, bool]] = [
     ("TTFT p99 (ms)", "ttft_ms.p99", False),
     ("TPOT p50 (ms/token)", "tpot_ms.p50", False),
     ("ITL p50 (ms)", "itl_ms.p50", False),
+    ("Decode step (ms)", "decode_step_ms", False),
+    ("x floor", "x_floor", False),
     ("Latency p50 (ms)", "latency_ms.p50", False),
     ("Latency p99 (ms)", "latency_ms.p99", False),
     ("Peak KV memory (MiB)", "kv.peak_kv_bytes", False),
@@ -302,6 +304,21 @@ def _compare_table(data: dict, ours: str) -> str:
         rows.append(f"| {label} | {_fmt(mine)} | " + " | ".join(_fmt(t) for t in theirs)
                     + " | " + " | ".join(ratios) + " |")
     return "\n".join([head, sep, *rows])
+
+
+def _fresh(data: dict) -> bool:
+    """Results written before fresh processes became the default have no `process` field."""
+    process = data.get("process")
+    return isinstance(process, dict) and bool(process.get("fresh_process"))
+
+
+def _floor_lines(data: dict) -> list[str]:
+    """Decode step against the matmul floor ([Metrics](metrics.md)); nothing for older results."""
+    step, base, ratio = (_value(data, k) for k in ("decode_step_ms", "floor_ms", "x_floor"))
+    if step is None or base is None or ratio is None:
+        return []
+    return ["", f"Decode step: **{step:,.2f} ms**, **{ratio:.2f}× the matmul floor** "
+                f"({base:,.3f} ms for the model's matmuls alone at batch {data.get('floor_batch', '?')})."]
 
 
 def render_bench_results(root: Path, path: str, page_src: str | None = None,
@@ -344,10 +361,12 @@ def render_bench_results(root: Path, path: str, page_src: str | None = None,
     peak = _value(data, "kv.peak_kv_bytes")
     if peak is not None:
         out += ["", f"Peak KV cache memory: **{peak:,.2f} MiB**."]
+    out += _floor_lines(data)
     if len(runs) >= 2:
         out += ["", "Values are medians over the repeats; <small>(min–max)</small> is their spread."]
     if data.get("compare"):
-        out += ["", f"**Side by side, same workload, same process** "
+        where = "each engine in its own fresh process" if _fresh(data) else "same process"
+        out += ["", f"**Side by side, same workload, {where}** "
                     f"(× = how many times better `{ours}` is: higher throughput or lower time/memory):",
                 "", _compare_table(data, ours), ""]
         for i, other in enumerate(data["compare"]):

@@ -1,0 +1,184 @@
+"""One engine of a comparison, measured alone in a fresh process: `python -m common.engine_worker`.
+
+Why: on a CPU the same engine's throughput depends on what ran before it in the process (glibc
+malloc thresholds, page faults, allocator caches). Measured on a 2-core CPU, stage 09 alone in
+five fresh processes gave 64-144 completion tok/s, 45-56 with a second engine in the process and
+130-150 after transformers' generate. So a number from a shared process depends on run order.
+Every A/B (bench `--compare` / `--baseline`, the ladder) therefore runs each engine here, in its
+own process: it loads the model, rebuilds the workload from the same flags and seed, does the
+warmup and the repeats, measures the matmul floor (common/floor.py), and writes back JSON. The
+parent prints the reports and checks the greedy token ids across engines, as before.
+
+    python -m common.engine_worker JOB.json OUT.json       (written and read by `spawn`)
+
+`run_bench_engines` and `run_ladder_engines` are the parents' side; `bench_job` and
+`ladder_job` the child's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class WorkerError(RuntimeError):
+    """An engine's worker process failed; the message names the engine and its exit code."""
+
+
+def workload_digest(requests: list) -> str:
+    """A fingerprint of a workload, so the parent can check the child rebuilt the same requests."""
+    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos] for r in requests]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spawn(job: dict, engine: str) -> dict:
+    """Run `job` in a fresh `python -m common.engine_worker` and return its JSON.
+
+    The child shares our stdout and stderr, so its progress and any traceback show as they
+    happen; a non-zero exit raises WorkerError naming the engine instead of hanging or guessing."""
+    with tempfile.TemporaryDirectory(prefix="stagewise-worker-") as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job, default=str))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "common.engine_worker", str(job_path), str(out_path)],
+                                cwd=REPO_ROOT, env=env)
+        code = proc.wait()
+        if code != 0 or not out_path.is_file():
+            raise WorkerError(f"{engine}: its worker process (pid {proc.pid}) exited with code {code}"
+                              f"{'' if code else ' without a result'}; its error is printed above")
+        result = json.loads(out_path.read_text())
+    result["process"] = {"fresh_process": True, "engines_in_process": 1, "pid": proc.pid, "exit_code": code}
+    return result
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def run_bench_engines(specs: list, stage_package: str, argv: list[str], mode: str, requests: list) -> dict:
+    """Each bench engine alone in its own worker process (warmups, then repeats), one after the
+    other; their results land on `specs` (common.bench.EngineSpec). Returns the token-id check."""
+    from common.bench import check_same_tokens
+
+    digest = workload_digest(requests)
+    for spec in specs:
+        print(f"=== {spec.name}: fresh process ===", flush=True)
+        job = {"kind": "bench", "package": stage_package, "argv": argv, "engine": spec.name, "mode": mode}
+        got = spawn(job, spec.name)
+        if got["workload_digest"] != digest:
+            raise WorkerError(f"{spec.name}: its worker built a different workload (digest "
+                              f"{got['workload_digest']} != {digest}); the workload must depend on the flags only")
+        spec.summaries, spec.first_tokens = got["summaries"], got["first_tokens"]
+        spec.kv, spec.floor, spec.process = got["kv"], got["floor"], got["process"]
+    return check_same_tokens(specs, requests)
+
+
+def run_ladder_engines(engines: list, argv: list[str], requests: list) -> None:
+    """Each ladder rung (common.ladder.Engine) alone in its own worker process, one after the
+    other; a rung whose worker fails gets `error` set and the ladder goes on without it."""
+    digest = workload_digest(requests)
+    for e in engines:
+        print(f"=== {e.name}: fresh process ===", file=sys.stderr, flush=True)
+        try:
+            got = spawn({"kind": "ladder", "argv": argv, "engine": e.name}, e.name)
+        except WorkerError as exc:
+            e.error = str(exc)
+            print(f"WARNING: {e.error}", file=sys.stderr, flush=True)
+            continue
+        if got["workload_digest"] != digest:
+            e.error = f"its worker built a different workload (digest {got['workload_digest']} != {digest})"
+        else:
+            e.error = got["error"]
+        e.summaries, e.first_tokens, e.kv = got["summaries"], got["first_tokens"], got["kv"]
+        e.setup_s, e.floor, e.process = got["setup_s"], got["floor"], got["process"]
+
+
+# ----------------------------------------------------------------------------- child side
+
+def bench_job(job: dict) -> dict:
+    """One engine of `python -m stages.<stage>.bench`, parsed from the same argv as the parent."""
+    import importlib
+
+    import torch
+
+    from common import bench
+    from common.floor import decode_batch, floor_fields
+    from common.loader import load_model
+
+    package, engine = job["package"], job["engine"]
+    module = importlib.import_module(package)
+    parser = bench.build_parser(f"python -m {package}.bench")
+    parser.set_defaults(**bench.bench_defaults(module, parser))
+    args = parser.parse_args(job["argv"])
+    bench.check_args(args)
+    torch.manual_seed(args.seed)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    requests = bench.workload_from_args(loaded.tokenizer, args)
+    specs = [s for s in bench.build_specs(package, args, loaded, []) if s.name == engine]
+    if not specs:
+        raise SystemExit(f"engine_worker: {package}'s bench has no engine {engine!r}")
+    spec = specs[0]
+    if job["mode"] == "streaming":
+        from common import streaming_bench
+        streaming_bench.run_streaming_engines([spec], requests, args)
+    else:
+        bench.run_engines([spec], lambda s: bench.run_offline_once(s, requests), requests,
+                          args.warmup_runs, args.repeat_runs, args.fresh_engine)
+    return {"engine": spec.name, "summaries": spec.summaries, "first_tokens": spec.first_tokens,
+            "kv": spec.engine.kv_stats() if hasattr(spec.engine, "kv_stats") else None,
+            "floor": floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests))),
+            "workload_digest": workload_digest(requests), "env": _env(loaded)}
+
+
+def ladder_job(job: dict) -> dict:
+    """One rung of `stagewise ladder`, parsed from the same argv as the parent."""
+    from common import ladder
+    from common.floor import decode_batch, floor_fields
+
+    args = ladder.parse_args(job["argv"])
+    setup = ladder.prepare(args, [])
+    engine = job["engine"]
+    stage = int(engine[1:3]) if engine.startswith("s") and engine[1:3].isdigit() else None
+    engines = ladder.build_engines(args, setup, [] if stage is None else [stage], hf=stage is None, notes=[], skipped=[])
+    picked = [e for e in engines if e.name == engine]
+    if not picked:
+        raise SystemExit(f"engine_worker: the ladder has no engine {engine!r} here")
+    e = picked[0]
+    ladder.run_all([e], setup.requests, args)
+    return {"engine": e.name, "error": e.error, "summaries": e.summaries, "first_tokens": e.first_tokens,
+            "kv": e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else None,
+            "setup_s": list(getattr(e.engine, "setup_s", None) or []),
+            "floor": floor_fields(setup.loaded.model, decode_batch(args.max_batch_size, len(setup.requests))),
+            "workload_digest": workload_digest(setup.requests), "env": _env(setup.loaded)}
+
+
+def _env(loaded: Any) -> dict:
+    from common.envinfo import collect_env
+    return collect_env(loaded.device)
+
+
+JOBS = {"bench": bench_job, "ladder": ladder_job}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 2:
+        print("usage: python -m common.engine_worker JOB.json OUT.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text())
+    result = JOBS[job["kind"]](job)
+    result["pid"] = os.getpid()
+    Path(argv[1]).write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The machine's floor for a decode step: the model's own matmuls alone, for B one-token rows.
+
+A decode step of any stage runs, for every layer, the same few `F.linear` calls on a [B, hidden]
+batch (Llama: qkv, o, gate_up, down; GPT-2: attn, attn_proj, fc, mlp_proj, with biases), then the
+lm_head projection. Everything else a step does -- attention over the cache, norms, RoPE,
+sampling, the scheduler's Python -- comes on top. So the time of those matmuls alone, on the same
+weights, dtype and device, in the same process, is a floor no stage can beat; `x floor`
+(decode step / floor) says how much of a step is overhead a better engine could still remove.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def decode_batch(max_batch_size: int, num_requests: int) -> int:
+    """The batch the decode steps run at: as many rows as fit, or as there are requests."""
+    return max(1, min(int(max_batch_size), int(num_requests)))
+
+
+def decode_matmuls(model: torch.nn.Module) -> list[tuple[Tensor, Tensor | None]]:
+    """(weight [out, in], bias or None) of every projection one decode step makes, in order."""
+    out: list[tuple[Tensor, Tensor | None]] = []
+    for layer in model.layers:
+        if hasattr(layer, "qkv_weight"):  # LlamaBlock
+            out += [(layer.qkv_weight, layer.qkv_bias), (layer.o_weight, layer.o_bias),
+                    (layer.gate_up_weight, None), (layer.down_weight, None)]
+        else:  # GPT2Block
+            out += [(layer.attn_weight, layer.attn_bias), (layer.attn_proj_weight, layer.attn_proj_bias),
+                    (layer.fc_weight, layer.fc_bias), (layer.mlp_proj_weight, layer.mlp_proj_bias)]
+    out.append((model.lm_head_weight, None))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repeats: int = 30,
+                    min_time_s: float = 0.0) -> float:
+    """Median time (ms) of one decode step's matmuls alone, on [batch, in] inputs of the model's
+    dtype and device. Inputs are made once, outside the timing; each matmul gets its own input
+    (as in the decoder, where every projection reads a fresh activation). At least `repeats`
+    timed steps, more until `min_time_s` has passed (a tiny model's step is too short for 30)."""
+    if batch < 1 or repeats < 1:
+        raise ValueError("batch and repeats: must be >= 1")
+    mats = decode_matmuls(model)
+    weight = mats[0][0]
+    device, dtype = weight.device, weight.dtype
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    inputs = [torch.randn(batch, w.shape[1], generator=gen).to(device=device, dtype=dtype) for w, _ in mats]
+
+    def step() -> None:
+        for x, (w, b) in zip(inputs, mats):
+            F.linear(x, w, b)
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times: list[float] = []
+    deadline = time.perf_counter() + min_time_s
+    while len(times) < repeats or (time.perf_counter() < deadline and len(times) < 100 * repeats):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return float(statistics.median(times))
+
+
+def floor_fields(model: torch.nn.Module, batch: int) -> dict[str, Any]:
+    """The result-JSON fields: `floor_ms` and the `floor_batch` it was measured at."""
+    return {"floor_ms": matmul_floor_ms(model, batch, min_time_s=0.5), "floor_batch": int(batch)}
+
+
+def with_x_floor(result: dict, floor: dict | None) -> dict:
+    """Add `floor_ms`, `floor_batch` and `x_floor` (= decode_step_ms / floor_ms) to `result`."""
+    if not floor:
+        return result
+    result.update(floor)
+    step, base = result.get("decode_step_ms"), floor.get("floor_ms")
+    result["x_floor"] = float(step) / base if step is not None and base else None
+    return result

@@ -1,0 +1,136 @@
+"""Fresh processes per engine (common/engine_worker.py) and the matmul floor (common/floor.py).
+
+Why: a comparison's numbers are only trusted when each engine ran alone in its own process, so
+the round trip parent -> worker -> parent must keep every field and the greedy token check; a
+worker that dies must say which engine, not hang; and the floor must time exactly the matmuls
+one decode step makes. No test asserts a timing.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import floor
+from common.engine_worker import WorkerError, spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_floor_times_exactly_the_decode_steps_matmuls(tiny, monkeypatch) -> None:
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []
+    real = torch.nn.functional.linear
+
+    def counting(x, w, b=None):
+        calls.append((tuple(x.shape), tuple(w.shape), b is not None))
+        return real(x, w, b)
+
+    monkeypatch.setattr(floor.F, "linear", counting)
+    ms = floor.matmul_floor_ms(tiny.model, 3, warmup=1, repeats=2)
+    layers = tiny.config.num_layers
+    per_step = 4 * layers + 1  # qkv, o, gate_up, down per layer, then the lm_head
+    assert ms > 0 and len(calls) == 3 * per_step
+    assert all(x[0] == 3 and x[1] == w[1] for x, w, _ in calls)  # [B, in] @ [out, in]
+    assert calls[per_step - 1][1] == tuple(tiny.model.lm_head_weight.shape)
+
+
+def test_floor_fields_and_x_floor() -> None:
+    assert floor.decode_batch(16, 32) == 16 and floor.decode_batch(16, 4) == 4
+    result = floor.with_x_floor({"decode_step_ms": 6.0}, {"floor_ms": 2.0, "floor_batch": 4})
+    assert result == {"decode_step_ms": 6.0, "floor_ms": 2.0, "floor_batch": 4, "x_floor": 3.0}
+    assert floor.with_x_floor({"decode_step_ms": 6.0}, None) == {"decode_step_ms": 6.0}
+
+
+def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
+    from common.bench import run_stage_bench
+
+    out = tmp_path / "r.json"
+    data = run_stage_bench("stages.s03_paged_attention", [
+        "--model", "tiny", "--device", "cpu", "--compare", "--num-requests", "3", "--max-new-tokens", "3",
+        "--prompt-len-min", "4", "--prompt-len-max", "9", "--warmup-runs", "1", "--repeat-runs", "1",
+        "--json", str(out)])
+    assert json.loads(out.read_text())["engine"] == "s03_paged_attention"
+    other = data["compare"][0]
+    assert other["engine"] == "s02_kv_cache"
+    pids = {data["process"]["pid"], other["process"]["pid"], os.getpid()}
+    assert len(pids) == 3 and data["process"]["fresh_process"] and other["process"]["exit_code"] == 0
+    assert data["correctness"] == {"checked": True, "equal": True, "mismatches": {}}
+    for r in (data, other):
+        assert r["completion_tokens"] == 9 and len(r["runs"]) == 1 and "peak_kv_bytes" in r["kv"]
+        assert r["floor_batch"] == 3 and r["floor_ms"] > 0 and r["x_floor"] > 0
+    assert data["config"]["same_process"] is False
+    text = capfd.readouterr().out
+    assert "=== s02_kv_cache: fresh process ===" in text and "Process: fresh, this engine alone" in text
+    assert "correctness: greedy token ids identical across s03_paged_attention, s02_kv_cache" in text
+
+
+def test_a_failing_worker_names_its_engine() -> None:
+    job = {"kind": "bench", "package": "no_such_stage_package", "argv": [], "engine": "s42_broken", "mode": "offline"}
+    with pytest.raises(WorkerError, match=r"s42_broken: its worker process \(pid \d+\) exited with code 1"):
+        spawn(job, "s42_broken")
+
+
+def test_a_failing_ladder_rung_is_skipped_with_the_reason(monkeypatch, tmp_path) -> None:
+    from common import engine_worker, ladder
+
+    def boom(job: dict, engine: str) -> dict:
+        raise WorkerError(f"{engine}: its worker process (pid 1) exited with code 1; its error is printed above")
+
+    monkeypatch.setattr(engine_worker, "spawn", boom)
+    with pytest.raises(SystemExit, match="every engine failed"):
+        ladder.run_ladder(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--num-requests", "2",
+                           "--max-new-tokens", "2", "--repeat-runs", "1", "--warmup-runs", "0", "--stages", "2",
+                           "--no-hf"])
+
+
+def test_decode_step_preset() -> None:
+    import argparse
+
+    from common import ladder
+
+    args = ladder.parse_args(["--workload", "decode-step", "--out", "/tmp/x"])
+    assert args.max_batch_size == 16
+    kw = ladder.workload_kwargs(argparse.Namespace(workload="decode-step", num_requests=None, max_new_tokens=None),
+                                8192, [])
+    assert kw == {"num_requests": 16, "prompt_len_range": (160, 160), "max_new_tokens": 40, "stop_on_eos": False}
+    assert ladder.parse_args(["--out", "/tmp/x"]).max_batch_size == 8
+
+
+def test_old_results_without_the_floor_still_render(tmp_path) -> None:
+    import sys
+
+    from common import ladder_report
+    from common.report import format_comparison, format_report
+
+    old = json.loads((ROOT / "docs/results/ladder.cpu.json").read_text())
+    assert "x_floor" not in old["entries"][0]
+    table = ladder_report.format_table(old)
+    assert "x floor" in table and "engines alternating in one process" in table
+    new = json.loads(json.dumps(old))
+    new["config"]["same_process"] = False
+    for e in new["entries"]:
+        e.update(decode_step_ms=4.0, floor_ms=2.0, floor_batch=8, x_floor=2.0)
+    table = ladder_report.format_table(new)
+    assert "each engine in its own fresh process" in table and " 2.00 " in table and "at batch 8" in table
+
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    import stagewise as hook
+
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert "| x floor |" in hook.render_ladder_table(tmp_path, "new.json", "ladder.md")
+    assert "| — |" in hook.render_ladder_table(tmp_path, "old.json", "ladder.md")
+    bench_old = json.loads((ROOT / "docs/results/s02_kv_cache.cpu.json").read_text())
+    assert "decode_step_ms" not in bench_old
+    assert "Decode step" not in format_report(bench_old, {})
+    (tmp_path / "b.json").write_text(json.dumps(bench_old))
+    assert "x floor" not in hook.render_bench_results(tmp_path, "b.json", "s.md")
+    bench_new = dict(bench_old, decode_step_ms=5.0, floor_ms=2.5, floor_batch=8, x_floor=2.0,
+                     compare=[dict(c, decode_step_ms=6.0, floor_ms=2.5, x_floor=2.4) for c in bench_old["compare"]])
+    (tmp_path / "b2.json").write_text(json.dumps(bench_new))
+    md = hook.render_bench_results(tmp_path, "b2.json", "s.md")
+    assert "2.00× the matmul floor" in md and "| x floor |" in md
+    assert "x floor" in format_comparison([bench_new, *bench_new["compare"]])
