@@ -4,7 +4,7 @@
 
 The same workloads as the benches (common/workloads.py) and the same report (common/report.py),
 measured where a client stands: each request is one streaming POST (`stream: true`,
-`stream_options.include_usage`), in its own thread, sent on a schedule (a burst, or
+`stream_options.include_usage`) on a keep-alive connection, in its own thread, sent on a schedule (a burst, or
 `--request-rate` per second, fixed or Poisson, optionally capped by `--max-concurrency`).
 Only the standard library speaks HTTP here, so nothing ties it to stagewise: point it at vLLM or
 SGLang on a GPU and compare the same report.
@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from common.bench import describe_workload, workload_from_args, write_json
@@ -110,13 +111,49 @@ def request_body(target: Target, model: str, request: Request) -> bytes:
     return json.dumps(body).encode()
 
 
-def stream_one(target: Target, body: bytes, timeout: float) -> Completion:
+class ConnectionPool:
+    """Keep-alive connections, reused across requests as an SDK's pool reuses them: a TCP
+    handshake is the network's cost, not the server's TTFT. The warmup run opens them."""
+
+    def __init__(self, target: Target, timeout: float) -> None:
+        self.target, self.timeout = target, timeout
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection, and whether it was reused (a reused one may have been closed meanwhile)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self.target.connect(self.timeout), False
+
+    def put(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._idle.append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def stream_one(target: Target, pool: ConnectionPool, body: bytes) -> Completion:
     """POST one request and read its SSE stream, stamping each chunk that carries text."""
-    conn = target.connect(timeout)
+    conn, reused = pool.get()
     try:
         submitted = time.perf_counter()
-        conn.request("POST", target.path, body=body, headers=target.headers)
-        resp = conn.getresponse()
+        try:
+            conn.request("POST", target.path, body=body, headers=target.headers)
+            resp = conn.getresponse()
+        except (ConnectionError, http.client.RemoteDisconnected):
+            if not reused:
+                raise
+            conn.close()  # the server closed an idle keep-alive connection: one fresh try
+            conn, reused = pool.target.connect(pool.timeout), False
+            submitted = time.perf_counter()
+            conn.request("POST", target.path, body=body, headers=target.headers)
+            resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500].decode(errors='replace')}")
         stamps: list[float] = []
@@ -143,8 +180,14 @@ def stream_one(target: Target, body: bytes, timeout: float) -> Completion:
                     stamps.append(now)
                     texts.append(text)
                 finish = c.get("finish_reason") or finish
-    finally:
+        resp.read()  # the end of the chunked body, so the connection can carry the next request
+        if resp.will_close:
+            conn.close()
+        else:
+            pool.put(conn)
+    except BaseException:
         conn.close()
+        raise
     n_prompt = int(use.get("prompt_tokens") or 0)
     n_out = int(use.get("completion_tokens") or len(stamps))
     return Completion(prompt_token_ids=[0] * n_prompt, token_ids=[0] * n_out, text="".join(texts),
@@ -164,25 +207,26 @@ def arrival_offsets(n: int, rate: float, arrivals: str, seed: int) -> list[float
     return out
 
 
-def run_once(target: Target, model: str, requests: list[Request], args: argparse.Namespace) -> tuple[dict, list]:
-    """Send every request on the schedule, wait for all streams, summarize as the benches do."""
+def run_once(target: Target, pool: ConnectionPool, workers: ThreadPoolExecutor, model: str,
+             requests: list[Request], args: argparse.Namespace) -> tuple[dict, list]:
+    """Send every request on the schedule, wait for all streams, summarize as the benches do.
+
+    The threads (one per request in flight) and connections outlive a run, so a burst is not
+    slowed by starting 64 threads and 64 TCP handshakes."""
     n = len(requests)
     bodies = [request_body(target, model, r) for r in requests]
     offsets = arrival_offsets(n, args.request_rate, args.arrivals, args.seed)
-    results: list[Any] = [None] * n
     slots = threading.BoundedSemaphore(args.max_concurrency) if args.max_concurrency else None
     planned, called = [0.0] * n, [0.0] * n
 
-    def work(i: int) -> None:
+    def work(i: int) -> Completion:
         try:
-            results[i] = stream_one(target, bodies[i], args.request_timeout_s)
-        except BaseException as exc:
-            results[i] = exc
+            return stream_one(target, pool, bodies[i])
         finally:
             if slots is not None:
                 slots.release()
 
-    threads = []
+    futures = []
     t0 = time.perf_counter()
     for i in range(n):
         planned[i] = t0 + offsets[i]
@@ -190,16 +234,14 @@ def run_once(target: Target, model: str, requests: list[Request], args: argparse
         if slots is not None:
             slots.acquire()
         called[i] = time.perf_counter()
-        t = threading.Thread(target=work, args=(i,), daemon=True, name=f"bench-serve-{i}")
-        t.start()
-        threads.append(t)
-    deadline = time.perf_counter() + args.request_timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.perf_counter()))
-    failed = [(i, r) for i, r in enumerate(results) if not isinstance(r, Completion)]
+        futures.append(workers.submit(work, i))
+    done, pending = wait(futures, timeout=args.request_timeout_s)
+    failed = [(i, f.exception() if f in done else "timed out") for i, f in enumerate(futures)
+              if f in pending or f.exception() is not None]
     if failed:
         i, err = failed[0]
         raise RuntimeError(f"{len(failed)} of {n} requests failed or timed out; first: request {i}: {err!r}")
+    results = [f.result() for f in futures]
     starts = [c.timings["submitted"] for c in results]
     ends = [c.token_timestamps[-1] for c in results if c.token_timestamps] or starts
     summary = summarize(results, wall_s=max(1e-9, max(ends) - min(starts)))
@@ -249,13 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(args.base_url, args.endpoint, args.api_key)
     requests = workload_from_args(_tokenizer(args), args)
     info = server_info(target)
+    pool = ConnectionPool(target, args.request_timeout_s)
     runs = []
-    for w in range(args.warmup_runs):
-        print(f"=== warmup {w + 1}/{args.warmup_runs} ===", flush=True)
-        run_once(target, args.model, requests, args)
-    for r in range(args.repeat_runs):
-        print(f"=== run {r + 1}/{args.repeat_runs} ===", flush=True)
-        runs.append(run_once(target, args.model, requests, args)[0])
+    with ThreadPoolExecutor(args.max_concurrency or args.num_requests, thread_name_prefix="bench-serve") as workers:
+        for w in range(args.warmup_runs):
+            print(f"=== warmup {w + 1}/{args.warmup_runs} ===", flush=True)
+            run_once(target, pool, workers, args.model, requests, args)
+        for r in range(args.repeat_runs):
+            print(f"=== run {r + 1}/{args.repeat_runs} ===", flush=True)
+            runs.append(run_once(target, pool, workers, args.model, requests, args)[0])
+    pool.close()
     result = {"engine": "http", "mode": "http-streaming", **median_summary(runs), "runs": runs}
     print(format_report(result, header(args, target), runs=runs, title="streaming benchmark (HTTP)"), flush=True)
     if args.json:

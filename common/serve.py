@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -30,6 +31,7 @@ from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice
                                     parse_completion, parse_json, sse, usage)
 
 SHUTTING_DOWN = "the server is shutting down"
+MAX_IN_FLIGHT = 1024  # requests streamed at once; more wait for a pump thread (the KV pool runs out long before)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class ServeState:
         self.max_model_len = int(manager.engine.max_model_len)
         self.shutting_down = False
         self._closed = threading.Event()
+        # One thread per request in flight drains its handle; pooled, so a burst does not start 64.
+        self.pumps = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="stagewise-serve")
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the in-flight ones (the manager cancels them). Idempotent."""
@@ -68,7 +72,8 @@ class ServeState:
         threading.Thread(target=self._close, name="stagewise-serve-close", daemon=True).start()
 
     def _close(self) -> None:
-        self.manager.close()
+        self.manager.close()  # every handle ends, so every pump returns
+        self.pumps.shutdown(wait=True)
         self._closed.set()
 
     def wait_closed(self, timeout: float) -> bool:
@@ -118,7 +123,11 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
         raise APIError(503, f"{SHUTTING_DOWN} ({exc})", type_="service_unavailable") from None
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
-    threading.Thread(target=_pump, args=(handle, loop, inbox), daemon=True, name=f"serve-{handle.request_id}").start()
+    try:
+        state.pumps.submit(_pump, handle, loop, inbox)
+    except RuntimeError:  # the pumps shut down after add_request went through
+        handle.cancel()
+        raise APIError(503, SHUTTING_DOWN, type_="service_unavailable") from None
     matcher, n_tokens, ended, stopped = StopMatcher(req.stop), 0, False, False
     try:
         while True:

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -168,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"HTTP cost: completion throughput {figures['throughput_loss_pct']:+.1f}% lost "
           f"(target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
           f"(target <= {TARGETS['ttft_p50_added_ms']:g} ms)", flush=True)
-    if a.json:
-        write_json(a.json, {"kind": "serve-overhead", "stage": local.get("stage"), "model": local.get("model"),
-                            "device": local.get("device"), "dtype": local.get("dtype"),
-                            "config": {**vars(a), "argv": argv},
-                            "env": collect_env(local.get("device")), "cpu_affinity": _affinity(),
-                            "overhead": figures, "http": http_entry, "in_process": local_entry})
+    if a.json:  # shaped like a bench JSON: the HTTP side on top, the in-process side under `compare`
+        http_side = {k: v for k, v in http_entry.items() if k not in ("config", "model")}
+        write_json(a.json, {"kind": "serve-overhead", "command": shlex.join(["stagewise", "serve-overhead", *argv]),
+                            "stage": local.get("stage"), "model": local.get("model"), "device": local.get("device"),
+                            "dtype": local.get("dtype"), "config": vars(a), "env": collect_env(local.get("device")),
+                            "cpu_affinity": _affinity(), "overhead": figures, **http_side,
+                            "bench_serve_config": http_entry.get("config"), "compare": [local_entry]})
     return 0
 
 
