@@ -176,9 +176,9 @@ async def _collect(request: Request, agen: AsyncIterator[Delta]) -> tuple[str, D
     while not task.done():
         await asyncio.wait([task], timeout=0.5)
         if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await agen.aclose()
-            raise asyncio.CancelledError
+            task.cancel()  # generate()'s finally cancels the request: its blocks go back to the pool
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", type_="client_closed_request")
     return "".join(parts), task.result()
 
 

@@ -250,7 +250,10 @@ def test_openai_client_raises_on_refusals(live) -> None:
 # ----------------------------------------------------------------------------- dropping and stopping
 
 def test_client_dropping_mid_stream_frees_its_blocks(loaded) -> None:
-    server = LiveServer(loaded, slow_s=0.01)
+    server = LiveServer(loaded, slow_s=0.02)
+    manager, cancelled = server.state.manager, []
+    real_cancel = manager.cancel
+    manager.cancel = lambda rid: (cancelled.append(rid), real_cancel(rid))[1]  # the drop must cancel, not run on
     try:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
@@ -258,6 +261,11 @@ def test_client_dropping_mid_stream_frees_its_blocks(loaded) -> None:
             got = [next(lines) for _ in range(6)]  # three events (each followed by a blank line)
             assert sum(line.startswith("data: {") for line in got) == 3
             assert server.blocks_in_use() > 0
+        assert _wait(lambda: len(cancelled) == 1)
+        assert _wait(lambda: server.blocks_in_use() == 0 and not server.state.manager.scheduler.request_ids())
+        with pytest.raises(httpx.ReadTimeout):  # a whole (non-streamed) request, abandoned while it runs
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        assert _wait(lambda: len(cancelled) == 2)
         assert _wait(lambda: server.blocks_in_use() == 0 and not server.state.manager.scheduler.request_ids())
     finally:
         server.stop()
@@ -354,3 +362,44 @@ def test_port_in_use_fails_fast() -> None:
         taken.listen()
         with pytest.raises(OSError):
             bind_socket("127.0.0.1", taken.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- serve-overhead
+
+def test_serve_overhead_sides_take_the_same_flags() -> None:
+    """The three processes must accept what serve-overhead hands them, so the sides cannot drift."""
+    import argparse
+
+    from common import bench, bench_serve, serve, serve_overhead
+    a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
+    workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
+    local = bench.build_parser("bench").parse_args(workload + knobs)
+    remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
+    server = argparse.ArgumentParser()
+    serve.add_serve_args(server)
+    served = server.parse_args(knobs + ["--model", "tiny"])
+    for name in ("num_requests", "max_new_tokens", "prompt", "unique_prompts", "no_stop_on_eos", "seed"):
+        assert getattr(local, name) == getattr(remote, name), name
+    for name in ("max_batch_size", "prefill_max_batch_size", "no_prefix_cache", "stream_interval", "dtype"):
+        assert getattr(local, name) == getattr(served, name), name
+    assert local.no_prefix_cache and local.stream_interval == 1 and not local.pretok
+
+
+def test_serve_overhead_figures() -> None:
+    from common.serve_overhead import overhead
+    http = {"throughput_tok_s": {"completion": 90.0}, "ttft_ms": {"p50": 14.0}}
+    local = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 10.0}}
+    got = overhead(http, local)
+    assert got["throughput_loss_pct"] == pytest.approx(10.0) and got["ttft_p50_added_ms"] == pytest.approx(4.0)
+    assert got["within_targets"]
+    assert not overhead({**http, "ttft_ms": {"p50": 16.0}}, local)["within_targets"]
+
+
+def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
+    import argparse
+
+    from common import serve
+    p = argparse.ArgumentParser()
+    serve.add_serve_args(p)
+    with pytest.raises(SystemExit, match="stage 4 or later"):
+        serve.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
