@@ -245,7 +245,10 @@ def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedReq
     messages = chat_messages(body)
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages", "this model's tokenizer has no chat template; use /v1/completions")
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (e.g. roles that must alternate)
+        raise bad_request("messages", f"the chat template refused them: {exc}") from None
     which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     stream, include_usage = _stream_fields(body)
     return ParsedRequest(_model(body), prompt, None, _sampling(body, which, default_max_tokens),
