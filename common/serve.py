@@ -103,8 +103,9 @@ def _pump(handle: Any, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) ->
 def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ValueError):  # bad input found by the engine (prompt too long for the pool, ...)
-        return APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":"), code="invalid_value")
+    if isinstance(exc, ValueError):  # bad input only the engine can see (a prompt the KV pool can never hold)
+        return APIError(400, str(exc), param="prompt" if str(exc).startswith("prompt") else None,
+                        code="invalid_value")
     return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
 
 

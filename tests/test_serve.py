@@ -35,8 +35,8 @@ PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 class LiveServer:
     """`stagewise serve`'s app and uvicorn server in a thread; stop() takes the SIGTERM path."""
 
-    def __init__(self, loaded, slow_s: float = 0.0, max_batch_size: int = 8) -> None:
-        engine = STAGE.InferenceEngine(loaded, max_batch_size=max_batch_size, prefix_cache_max_entries=0)
+    def __init__(self, loaded, slow_s: float = 0.0, max_batch_size: int = 8, **knobs) -> None:
+        engine = STAGE.InferenceEngine(loaded, max_batch_size=max_batch_size, prefix_cache_max_entries=0, **knobs)
         if slow_s:  # a slower decode step keeps requests in flight long enough to drop or stop them
             fast = engine.decode_step_sessions
             engine.decode_step_sessions = lambda sessions: (time.sleep(slow_s), fast(sessions))[1]
@@ -245,6 +245,16 @@ def test_openai_client_raises_on_refusals(live) -> None:
     with pytest.raises(openai.NotFoundError):
         live.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     assert live.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # and it goes on
+
+
+def test_a_prompt_the_kv_pool_can_never_hold_is_a_400(loaded) -> None:
+    server = LiveServer(loaded, num_kv_blocks=2, block_size=16)
+    try:
+        with pytest.raises(openai.BadRequestError, match="kv cache"):
+            server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4)
+        assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # it goes on
+    finally:
+        server.stop()
 
 
 # ----------------------------------------------------------------------------- dropping and stopping
