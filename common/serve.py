@@ -60,8 +60,31 @@ class ServeState:
         self.max_model_len = int(manager.engine.max_model_len)
         self.shutting_down = False
         self._closed = threading.Event()
+        self._to_submit: list[tuple[ParsedRequest, asyncio.Future]] = []  # parsed this loop iteration
         # One thread per request in flight drains its handle; pooled, so a burst does not start 64.
         self.pumps = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="stagewise-serve")
+
+    def submit(self, req: ParsedRequest) -> "asyncio.Future[Any]":
+        """add_request, deferred to the end of this event-loop iteration with every other request
+        parsed in it, so requests that arrive together reach the worker together and can share
+        one batched prefill. It adds no wait: the callback runs as soon as the loop is free."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._to_submit.append((req, future))
+        if len(self._to_submit) == 1:
+            loop.call_soon(self._submit_all)
+        return future
+
+    def _submit_all(self) -> None:
+        batch, self._to_submit = self._to_submit, []
+        for req, future in batch:
+            if future.cancelled():  # its client left before it was submitted
+                continue
+            try:
+                future.set_result(self.manager.add_request(req.prompt, prompt_token_ids=req.prompt_token_ids,
+                                                           params=req.params))
+            except Exception as exc:
+                future.set_exception(exc)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the in-flight ones (the manager cancels them). Idempotent."""
@@ -119,7 +142,7 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
     if state.shutting_down:
         raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
     try:
-        handle = state.manager.add_request(req.prompt, prompt_token_ids=req.prompt_token_ids, params=req.params)
+        handle = await state.submit(req)
     except RuntimeError as exc:  # closed between the check and the call
         raise APIError(503, f"{SHUTTING_DOWN} ({exc})", type_="service_unavailable") from None
     loop = asyncio.get_running_loop()
