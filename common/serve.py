@@ -141,8 +141,13 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
     """
     if state.shutting_down:
         raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
+    submitted = state.submit(req)
     try:
-        handle = await state.submit(req)
+        handle = await submitted
+    except asyncio.CancelledError:  # the client left just as the request was submitted: stop it
+        if submitted.done() and not submitted.cancelled() and submitted.exception() is None:
+            submitted.result().cancel()
+        raise
     except RuntimeError as exc:  # closed between the check and the call
         raise APIError(503, f"{SHUTTING_DOWN} ({exc})", type_="service_unavailable") from None
     loop = asyncio.get_running_loop()
