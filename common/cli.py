@@ -5,6 +5,8 @@
     stagewise stages
     stagewise ladder ...          (every stage on one workload; provided by common/ladder.py)
     stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
+    stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py)
+    stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/bench_serve.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
 handed over untouched, so the two spellings can never drift apart.
@@ -57,6 +59,11 @@ def cmd_ladder(argv: list[str]) -> int:
     # Imported here, not at the top: the ladder pulls in matplotlib, which `generate` never needs.
     from common import ladder
     return int(ladder.main(argv) or 0)
+
+
+# Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
+SUBPROGRAMS = {"serve": "common.serve", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
+               "stability": "common.stability"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
@@ -117,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stages", help="list the stages and what each adds")
     sub.add_parser("ladder", add_help=False, help="every stage on one workload (common/ladder.py)")
     sub.add_parser("stability", add_help=False, help="one stage's bench in N fresh processes (common/stability.py)")
+    sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve.py)")
+    sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/bench_serve.py)")
+    sub.add_parser("serve-overhead", add_help=False,
+                   help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
     return parser
 
 
@@ -126,9 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     if argv and argv[0] == "ladder":
         return cmd_ladder(argv[1:])
-    if argv and argv[0] == "stability":
-        from common import stability
-        return stability.main(argv[1:])
+    if argv and argv[0] in SUBPROGRAMS:  # imported on demand: `generate` never needs fastapi
+        return int(importlib.import_module(SUBPROGRAMS[argv[0]]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return {"generate": cmd_generate, "stages": cmd_stages}[args.command](args)
 

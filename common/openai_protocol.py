@@ -1,0 +1,321 @@
+"""The OpenAI API's request and response shapes, as `stagewise serve` speaks them.
+
+Why a module of its own: the server (common/serve.py) should read as "HTTP in, SchedulerManager
+out"; everything about what a field may hold, how a refusal is worded and what a chunk looks
+like lives here, testable without a socket. Anything the engine cannot honour (n > 1, logprobs,
+tools, penalties, unknown fields) is refused with a 400 naming the field: a client that asked
+for it must not get an answer that silently ignored it.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.requests import SamplingParams, _is_int, _is_real
+
+# Fields each endpoint understands. Anything else is refused by name.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+           "stream_options", "ignore_eos", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+           "user", "logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "functions", "function_call", "response_format", "parallel_tool_calls"}
+# Accepted only at the value that means "off"; anything else would change the answer in a way we cannot.
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "tools": (None,), "functions": (None,),
+    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, False, True), "logit_bias": (None, {}),
+}
+_WHY_OFF = {"n": "n > 1 is not supported: send n requests", "best_of": "best_of > 1 is not supported",
+            "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
+            "logprobs": "logprobs are not supported", "top_logprobs": "logprobs are not supported",
+            "presence_penalty": "presence_penalty is not supported", "logit_bias": "logit_bias is not supported",
+            "frequency_penalty": "frequency_penalty is not supported", "tools": "tools are not supported",
+            "functions": "functions are not supported", "tool_choice": "tool calls are not supported",
+            "function_call": "function calls are not supported"}
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+@dataclass
+class ParsedRequest:
+    """One validated request, ready for SchedulerManager.add_request."""
+
+    model: str | None
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for name in body:
+        if name not in allowed:
+            raise APIError(400, f"{name}: unsupported field", param=name, code="unsupported_field")
+    for name, off in _OFF_VALUES.items():
+        if name in body and not _is_off(body[name], off):
+            value = body[name]
+            raise APIError(400, f"{name}: {_WHY_OFF.get(name, 'unsupported value')} (got {value!r:.80})",
+                           param=name, code="unsupported_value")
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """None, [] / {}, or one of `off` of the same kind (False is not 0; 0.0 is 0)."""
+    if value is None or (isinstance(value, (list, dict)) and not value):
+        return True
+    for v in off:
+        if isinstance(value, bool) or isinstance(v, bool):
+            if value is v:
+                return True
+        elif _is_real(value) and _is_real(v):
+            if value == v:
+                return True
+        elif isinstance(value, str) and value == v:
+            return True
+    return False
+
+
+def _int_field(body: dict, name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise bad_request(name, f"must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -> SamplingParams:
+    """OpenAI's sampling fields as SamplingParams; temperature 0 is greedy, as in the API."""
+    max_tokens = _int_field(body, max_tokens_field, 1)
+    temperature = body.get("temperature", 1.0)
+    top_p = body.get("top_p", 1.0)
+    top_k = body.get("top_k", 0)
+    if temperature is None:
+        temperature = 1.0
+    if top_p is None:
+        top_p = 1.0
+    if top_k is None or top_k == -1:  # -1 is vLLM's spelling of "off"
+        top_k = 0
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not _is_real(value):
+            raise bad_request(name, f"must be a number, got {value!r}")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("ignore_eos", f"must be a bool, got {ignore_eos!r}")
+    params = SamplingParams(max_new_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                            temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                            do_sample=float(temperature) > 0, stop_on_eos=not ignore_eos, seed=body.get("seed"))
+    try:
+        params.validate()
+    except ValueError as exc:  # its message starts with our field name; answer with the API's
+        ours = str(exc).split(" ", 1)[0]
+        name = {"max_new_tokens": max_tokens_field, "stop_on_eos": "ignore_eos", "do_sample": "temperature"}.get(ours, ours)
+        raise bad_request(name, str(exc).split(" ", 1)[1]) from None
+    return params
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("stream", f"must be a bool, got {stream!r}")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options", "only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_request("stream_options", f"only {{'include_usage': bool}} is supported, got {options!r}")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options", f"include_usage must be a bool, got {include!r}")
+    return stream, include
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop", f"must be a non-empty string or a list of them, got {stop!r}")
+    return list(stops)
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model", f"must be a string, got {model!r}")
+    return model
+
+
+def parse_completion(body: dict, vocab_size: int, default_max_tokens: int = 16) -> ParsedRequest:
+    """POST /v1/completions. One prompt: text, [text], token ids or [token ids]."""
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    text, ids = None, None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt", "must not be empty")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        ids = [int(t) for t in prompt]
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request("prompt", "batches of prompts are not supported: send one request per prompt")
+    else:
+        raise bad_request("prompt", f"must be a string or a list of token ids, got {prompt!r:.80}")
+    stream, include_usage = _stream_fields(body)
+    return ParsedRequest(_model(body), text, ids, _sampling(body, "max_tokens", default_max_tokens),
+                         _stops(body), stream, include_usage)
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """The messages as plain {"role", "content": str} dicts for the tokenizer's chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise bad_request(where, f"needs a role in {list(_ROLES)}, got {m!r:.80}")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise bad_request(f"{where}.{sorted(extra)[0]}", "not supported (text messages only)")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad_request(f"{where}.content", "only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad_request(f"{where}.content", f"must be a string, got {content!r:.80}")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedRequest:
+    """POST /v1/chat/completions: the messages through the tokenizer's chat template."""
+    _check_fields(body, CHAT_FIELDS)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError(400, f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}",
+                       param="response_format", code="unsupported_value")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise bad_request("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    messages = chat_messages(body)
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("messages", "this model's tokenizer has no chat template; use /v1/completions")
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (e.g. roles that must alternate)
+        raise bad_request("messages", f"the chat template refused them: {exc}") from None
+    which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    stream, include_usage = _stream_fields(body)
+    return ParsedRequest(_model(body), prompt, None, _sampling(body, which, default_max_tokens),
+                         _stops(body), stream, include_usage)
+
+
+class StopMatcher:
+    """Finds stop strings in the detokenized stream, holding back only what could start one.
+
+    Text that cannot be the beginning of a stop string is released at once, so stop strings
+    cost no latency unless the stream really is in the middle of one.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string matched); the match itself is never sent."""
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        keep = next((k for k in range(min(len(buf), max(map(len, self.stops)) - 1), 0, -1)
+                     if any(s.startswith(buf[-k:]) for s in self.stops)), 0)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+# ----------------------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(chat: bool, text: str, finish_reason: str | None, first: bool = False, stream: bool = True) -> dict:
+    """One choice: `text` for completions, `delta` (stream) or `message` (whole) for chat."""
+    out: dict[str, Any] = {"index": 0}
+    if not chat:
+        out["text"] = text
+    elif stream:
+        out["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+    else:
+        out["message"] = {"role": "assistant", "content": text}
+    out["logprobs"] = None
+    out["finish_reason"] = finish_reason
+    return out
+
+
+def envelope(chat: bool, rid: str, model: str, choices: list[dict], stream: bool) -> dict:
+    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+
+
+def sse(data: dict | str) -> str:
+    """One Server-Sent Event: `data: <json>` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n"

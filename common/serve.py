@@ -1,0 +1,395 @@
+"""`stagewise serve`: an OpenAI-compatible HTTP server over any streaming stage (04+).
+
+    stagewise serve --stage 9 --model smollm2-135m --host 127.0.0.1 --port 8000
+
+FastAPI + uvicorn (the stack vLLM and SGLang use) in front of the stage's `SchedulerManager`:
+the event loop only parses, validates and writes bytes; the manager's worker thread runs the
+model, as it does in-process. Each request's blocking `RequestHandle` is drained by a small
+thread that hands chunks to the event loop, so a slow client never stalls the worker.
+A dropped client cancels its request (its KV blocks go back to the pool); SIGINT/SIGTERM end
+every in-flight request, answer 503 to new ones, and release the port.
+The stage comes from the registry (common/stages.py): this file imports no stage.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
+                                    parse_completion, parse_json, sse, usage)
+
+SHUTTING_DOWN = "the server is shutting down"
+MAX_IN_FLIGHT = 1024  # requests streamed at once; more wait for a pump thread (the KV pool runs out long before)
+
+
+@dataclass
+class Delta:
+    """Text to send, and at the end why the request stopped and its token counts."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _End:
+    result: Any  # the final Completion, or the request's exception
+
+
+class ServeState:
+    """What the endpoints share: the manager, the model's name and whether we are shutting down."""
+
+    def __init__(self, manager: Any, model_name: str, stage: str) -> None:
+        self.manager = manager
+        self.model_name = model_name
+        self.stage = stage
+        self.tokenizer = manager.engine.tokenizer
+        self.max_model_len = int(manager.engine.max_model_len)
+        self.shutting_down = False
+        self._closed = threading.Event()
+        self._to_submit: list[tuple[ParsedRequest, asyncio.Future]] = []  # parsed this loop iteration
+        # One thread per request in flight drains its handle; pooled, so a burst does not start 64.
+        self.pumps = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="stagewise-serve")
+
+    def submit(self, req: ParsedRequest) -> "asyncio.Future[Any]":
+        """add_request, deferred to the end of this event-loop iteration with every other request
+        parsed in it, so requests that arrive together reach the worker together and can share
+        one batched prefill. It adds no wait: the callback runs as soon as the loop is free."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._to_submit.append((req, future))
+        if len(self._to_submit) == 1:
+            loop.call_soon(self._submit_all)
+        return future
+
+    def _submit_all(self) -> None:
+        batch, self._to_submit = self._to_submit, []
+        for req, future in batch:
+            if future.cancelled():  # its client left before it was submitted
+                continue
+            try:
+                future.set_result(self.manager.add_request(req.prompt, prompt_token_ids=req.prompt_token_ids,
+                                                           params=req.params))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end the in-flight ones (the manager cancels them). Idempotent."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        # close() joins the worker (up to one decode step): off the signal handler's thread.
+        threading.Thread(target=self._close, name="stagewise-serve-close", daemon=True).start()
+
+    def _close(self) -> None:
+        self.manager.close()  # every handle ends, so every pump returns
+        self.pumps.shutdown(wait=True)
+        self._closed.set()
+
+    def wait_closed(self, timeout: float) -> bool:
+        return self._closed.wait(timeout)
+
+    def kv_blocks(self) -> dict | None:
+        pool = getattr(self.manager.engine, "pool", None)
+        if pool is None:
+            return None
+        return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
+
+
+def _pump(handle: Any, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) -> None:
+    """Drain a blocking RequestHandle onto the event loop's queue (one thread per request)."""
+    try:
+        for chunk in handle:
+            loop.call_soon_threadsafe(inbox.put_nowait, chunk)
+        item: Any = handle.result()
+    except BaseException as exc:  # the request's own error travels to its client
+        item = exc
+    try:
+        loop.call_soon_threadsafe(inbox.put_nowait, _End(item))
+    except RuntimeError:  # the loop is gone (server stopped): nobody is waiting
+        pass
+
+
+def _api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):  # bad input only the engine can see (a prompt the KV pool can never hold)
+        return APIError(400, str(exc), param="prompt" if str(exc).startswith("prompt") else None,
+                        code="invalid_value")
+    return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
+
+
+async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta]:
+    """One request through the manager, as text deltas; the last one carries finish_reason.
+
+    Closing this generator early (client gone) cancels the request, so its blocks are freed.
+    A stop string ends the request at the match: it is cancelled, and we wait for the manager
+    to confirm, so the blocks are back in the pool before the client hears "stop".
+    """
+    if state.shutting_down:
+        raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
+    submitted = state.submit(req)
+    try:
+        handle = await submitted
+    except asyncio.CancelledError:  # the client left just as the request was submitted: stop it
+        if submitted.done() and not submitted.cancelled() and submitted.exception() is None:
+            submitted.result().cancel()
+        raise
+    except RuntimeError as exc:  # closed between the check and the call
+        raise APIError(503, f"{SHUTTING_DOWN} ({exc})", type_="service_unavailable") from None
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    try:
+        state.pumps.submit(_pump, handle, loop, inbox)
+    except RuntimeError:  # the pumps shut down after add_request went through
+        handle.cancel()
+        raise APIError(503, SHUTTING_DOWN, type_="service_unavailable") from None
+    matcher, n_tokens, ended, stopped = StopMatcher(req.stop), 0, False, False
+    try:
+        while True:
+            item = await inbox.get()
+            if isinstance(item, _End):
+                ended = True
+                result = item.result
+                if isinstance(result, BaseException):
+                    raise _api_error(result)
+                if result.finish_reason == "cancelled" and not stopped:
+                    raise APIError(503, f"{SHUTTING_DOWN}: request cancelled", type_="service_unavailable")
+                reason = "stop" if stopped else result.finish_reason
+                n = n_tokens if stopped else len(result.token_ids)
+                yield Delta(matcher.flush(), reason, len(result.prompt_token_ids), n)
+                return
+            if stopped:
+                continue  # tokens decoded before the cancel landed: not part of the answer
+            n_tokens += len(item.token_ids)
+            text, stopped = matcher.feed(item.text)
+            if stopped:
+                handle.cancel()
+            if text or not stopped:
+                yield Delta(text)
+    finally:
+        if not ended:
+            handle.cancel()
+
+
+async def _first(agen: AsyncIterator[Delta]) -> Delta:
+    """The first delta, so that an error before any token is answered with its HTTP status."""
+    return await agen.__anext__()
+
+
+async def _collect(request: Request, agen: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    """Drain a whole request; stop (and cancel it) if the client goes away meanwhile."""
+    parts: list[str] = []
+
+    async def drain() -> Delta:
+        async for d in agen:
+            parts.append(d.text)
+            if d.finish_reason is not None:
+                return d
+        raise APIError(500, "stream ended without a finish reason", type_="internal_error")
+
+    task = asyncio.ensure_future(drain())
+    while not task.done():
+        await asyncio.wait([task], timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # generate()'s finally cancels the request: its blocks go back to the pool
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", type_="client_closed_request")
+    return "".join(parts), task.result()
+
+
+def _json(data: dict, status: int = 200) -> Response:
+    return Response(json.dumps(data, separators=(",", ":"), ensure_ascii=False), status_code=status,
+                    media_type="application/json")
+
+
+async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat: bool) -> Response:
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(404, f"model: {req.model!r} is not served here; this server has {state.model_name!r}",
+                       type_="not_found_error", param="model", code="model_not_found")
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    agen = generate(state, req)
+    first = await _first(agen)  # errors before the first token keep their status (400, 503, ...)
+    if not req.stream:
+        async def again() -> AsyncIterator[Delta]:
+            yield first
+            async for d in agen:
+                yield d
+        text, last = await _collect(request, again()) if first.finish_reason is None else (first.text, first)
+        body = envelope(chat, rid, state.model_name, [choice(chat, text, last.finish_reason, stream=False)], False)
+        body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
+        return _json(body)
+
+    async def events() -> AsyncIterator[str]:
+        is_first, d = True, first
+        try:
+            while True:
+                # A finish rides on its own chunk, after the text, as OpenAI sends it.
+                if d.text or is_first:
+                    yield sse(envelope(chat, rid, state.model_name, [choice(chat, d.text, None, is_first)], True))
+                    is_first = False
+                if d.finish_reason is not None:
+                    yield sse(envelope(chat, rid, state.model_name, [choice(chat, "", d.finish_reason)], True))
+                    if req.include_usage:
+                        tail = envelope(chat, rid, state.model_name, [], True)
+                        tail["usage"] = usage(d.prompt_tokens, d.completion_tokens)
+                        yield sse(tail)
+                    break
+                d = await agen.__anext__()
+        except APIError as exc:  # mid-stream: the status line is sent; the error travels as an event
+            yield sse(exc.body())
+        finally:
+            await agen.aclose()
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def build_app(state: ServeState) -> FastAPI:
+    """The four endpoints over one ServeState."""
+    app = FastAPI(title="stagewise", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError) -> Response:
+        return _json(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _json(APIError(exc.status_code, str(exc.detail), type_=kind).body(), exc.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.shutting_down:
+            raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
+        return _json({"status": "ok", "stage": state.stage, "model": state.model_name, "kv_blocks": state.kv_blocks()})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "stagewise",
+                "max_model_len": state.max_model_len}
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_completion(parse_json(await request.body()), len(state.tokenizer))
+        return await _respond(state, request, req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_chat(parse_json(await request.body()), state.tokenizer, state.max_model_len)
+        return await _respond(state, request, req, chat=True)
+
+    return app
+
+
+# ----------------------------------------------------------------------------- running it
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before uvicorn starts, so `--port 0` works and the real port can be printed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def make_server(state: ServeState, sock: socket.socket, log_level: str = "warning") -> Any:
+    """A uvicorn Server whose SIGINT/SIGTERM first ends the in-flight requests, then stops."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.begin_shutdown()
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured signal once it has stopped, which would kill us before
+            # main()'s clean-up and exit 0; the shutdown was graceful, so forget it.
+            getattr(self, "_captured_signals", []).clear()
+
+    config = uvicorn.Config(build_app(state), log_level=log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=30)
+    return _Server(config)
+
+
+def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
+    """Load the model and build the chosen stage's engine and SchedulerManager from the flags."""
+    import importlib
+
+    import torch
+
+    from common import stages as registry
+    from common.bench import accepted, engine_knobs
+    from common.cli import resolve_stage
+    from common.loader import load_model
+
+    package = resolve_stage(args.stage)
+    module = importlib.import_module(package)
+    if not hasattr(module, "SchedulerManager"):
+        raise SystemExit(f"serve: {registry.short_name(package)} has no SchedulerManager; serve needs stage 4 or later")
+    torch.manual_seed(args.seed)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    knobs = accepted(module.InferenceEngine, engine_knobs(args))
+    engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
+    wanted = {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
+              "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size}
+    manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, wanted))
+    return manager, registry.short_name(package)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from common import stages as registry
+
+    p.add_argument("--stage", default=str(max(registry.STAGES)), help="stage 4-9 (default: newest)")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
+    g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
+    g.add_argument("--max-batch-size", type=int, default=8)
+    g.add_argument("--prefill-max-batch-size", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--prefix-cache-max-entries", type=int, default=None)
+    g.add_argument("--no-prefix-cache", action="store_true", help="prefix_cache_max_entries=0")
+    g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
+    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stagewise serve", description="OpenAI-compatible HTTP server over one stage.")
+    add_serve_args(p)
+    args = p.parse_args(argv)
+    sock = bind_socket(args.host, args.port)  # before loading: a taken port fails in a second, not a minute
+    manager, stage = build_manager(args)
+    state = ServeState(manager, args.served_model_name or args.model, stage)
+    server = make_server(state, sock, args.log_level)
+    host, port = sock.getsockname()[:2]
+    print(f"stagewise serve: {stage} {state.model_name!r} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
+    t0 = time.perf_counter()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.begin_shutdown()
+        state.wait_closed(15.0)
+        sock.close()
+    print(f"stagewise serve: stopped after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,415 @@
+"""`stagewise serve` through the real `openai` client, on 127.0.0.1, with the tiny model.
+
+Why the real client: "OpenAI-compatible" means whatever the SDK sends and parses works, so the
+SDK (max_retries=0, so an error shows at once) is the judge, not a hand-written request. The
+server runs in a thread of this process so the tests can look at its KV pool; one test starts
+`stagewise serve` as a process and stops it with SIGTERM. Every wait is bounded; nothing is timed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from common import stages as registry
+from common.openai_protocol import StopMatcher
+from common.serve import ServeState, bind_socket, make_server
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE = registry.load_stage(9)
+PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
+
+
+class LiveServer:
+    """`stagewise serve`'s app and uvicorn server in a thread; stop() takes the SIGTERM path."""
+
+    def __init__(self, loaded, slow_s: float = 0.0, max_batch_size: int = 8, **knobs) -> None:
+        engine = STAGE.InferenceEngine(loaded, max_batch_size=max_batch_size, prefix_cache_max_entries=0, **knobs)
+        if slow_s:  # a slower decode step keeps requests in flight long enough to drop or stop them
+            fast = engine.decode_step_sessions
+            engine.decode_step_sessions = lambda sessions: (time.sleep(slow_s), fast(sessions))[1]
+        self.state = ServeState(STAGE.SchedulerManager(engine, max_batch_size=max_batch_size), "tiny", "s09")
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.server = make_server(self.state, sock)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def blocks_in_use(self) -> int:
+        kv = self.state.kv_blocks()
+        return kv["total"] - kv["free"]
+
+    def stop(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from common.loader import load_model
+    return load_model("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def live(loaded):
+    server = LiveServer(loaded)
+    yield server
+    server.stop()
+
+
+def _in_process(loaded, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """The reference: the same stage's SchedulerManager, in this process, greedy."""
+    engine = STAGE.InferenceEngine(loaded, max_batch_size=8, prefix_cache_max_entries=0)
+    with STAGE.SchedulerManager(engine, max_batch_size=8) as manager:
+        handles = [manager.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
+        return [h.result(timeout=60).text for h in handles]
+
+
+def _wait(condition, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+# ----------------------------------------------------------------------------- the endpoints
+
+def test_health_and_models(live) -> None:
+    health = httpx.get(live.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+    assert [m.id for m in live.client.models.list().data] == ["tiny"]
+
+
+def test_completion_greedy_equals_in_process_manager(live, loaded) -> None:
+    want = _in_process(loaded, PROMPTS, 12)
+    for prompt, text in zip(PROMPTS, want):
+        got = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == text
+        assert got.choices[0].finish_reason in ("stop", "length")
+        assert got.usage.completion_tokens <= 12 and got.usage.prompt_tokens > 0
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_completion_stream_matches_whole_and_ends_with_usage(live) -> None:
+    whole = live.client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0)
+    chunks = list(live.client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_whole_and_streamed(live, loaded) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    whole = live.client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10,
+                                                temperature=0)
+    prompt = loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert whole.choices[0].message.content == _in_process(loaded, [prompt], 10)[0]
+    assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
+    stream = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_32_concurrent_streaming_clients(live) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i % 4}" for i in range(32)]
+
+    def one(prompt: str) -> str:
+        stream = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, prompts))
+    alone = {p: one(p) for p in set(prompts)}  # greedy: batching must not change a request's text
+    assert texts == [alone[p] for p in prompts]
+    assert _wait(lambda: live.blocks_in_use() == 0)
+
+
+def test_sampling_with_seed_repeats(live) -> None:
+    ask = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
+               extra_body={"top_k": 50})
+    assert live.client.completions.create(**ask).choices[0].text == \
+        live.client.completions.create(**ask).choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_the_request_at_the_match(live, stream: bool) -> None:
+    full = live.client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    want = full[:full.index(stop)]
+    ask = dict(model="tiny", prompt="Hello", max_tokens=24, temperature=0, stop=[stop, "\x00never"],
+               extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [c for c in live.client.completions.create(stream=True, **ask) if c.choices]
+        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        got = live.client.completions.create(**ask)
+        text, reason = got.choices[0].text, got.choices[0].finish_reason
+    assert (text, reason) == (want, "stop")
+    assert _wait(lambda: live.blocks_in_use() == 0)
+
+
+def test_stop_matcher_holds_back_only_a_possible_start() -> None:
+    m = StopMatcher(["END", "xy"])
+    assert m.feed("abc") == ("abc", False)
+    assert m.feed("dE") == ("d", False)  # "E" may start "END"
+    assert m.feed("N") == ("", False)  # "EN" still may
+    assert m.feed("Dzz") == ("", True)  # "END" matched: nothing from it onward is sent
+    m = StopMatcher(["END", "xy"])
+    assert m.feed("ENx") == ("EN", False)  # "ENx" cannot start "END"; "x" can start "xy"
+    assert m.feed("yes") == ("", True)
+    assert StopMatcher([]).feed("anything") == ("anything", False)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD = [  # (path, body, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4o", "prompt": "Hi"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_k": 2.5}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "seed": "abc"}, 400, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "mystery": 1}, 400, "mystery"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": -3}, 400, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{b[2]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_answered_in_openai_shape(live, path, body, status, param) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(live.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    if param:
+        assert error["message"].startswith(param)
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # still serving
+
+
+def test_openai_client_raises_on_refusals(live) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        live.client.completions.create(model="tiny", prompt="Hi", n=3)
+    assert err.value.status_code == 400 and "n" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        live.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    assert live.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # and it goes on
+
+
+def test_a_prompt_the_kv_pool_can_never_hold_is_a_400(loaded) -> None:
+    server = LiveServer(loaded, num_kv_blocks=2, block_size=16)
+    try:
+        with pytest.raises(openai.BadRequestError, match="kv cache"):
+            server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4)
+        assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # it goes on
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------------------------- dropping and stopping
+
+def test_client_dropping_mid_stream_frees_its_blocks(loaded) -> None:
+    server = LiveServer(loaded, slow_s=0.02)
+    manager, cancelled = server.state.manager, []
+    real_cancel = manager.cancel
+    manager.cancel = lambda rid: (cancelled.append(rid), real_cancel(rid))[1]  # the drop must cancel, not run on
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]  # three events (each followed by a blank line)
+            assert sum(line.startswith("data: {") for line in got) == 3
+            assert server.blocks_in_use() > 0
+        assert _wait(lambda: len(cancelled) == 1)
+        assert _wait(lambda: server.blocks_in_use() == 0 and not server.state.manager.scheduler.request_ids())
+        with pytest.raises(httpx.ReadTimeout):  # a whole (non-streamed) request, abandoned while it runs
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        assert _wait(lambda: len(cancelled) == 2)
+        assert _wait(lambda: server.blocks_in_use() == 0 and not server.state.manager.scheduler.request_ids())
+    finally:
+        server.stop()
+
+
+def test_shutdown_ends_every_in_flight_request_and_releases_the_port(loaded) -> None:
+    server = LiveServer(loaded, slow_s=0.02)
+    started, outcomes = threading.Barrier(5), []
+
+    def client() -> None:
+        stream = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=100, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        try:
+            for i, _ in enumerate(stream):
+                if i == 0:
+                    started.wait(30)
+            outcomes.append("finished")
+        except openai.APIError as exc:  # the stream's error event: "the server is shutting down"
+            outcomes.append(exc.message)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(30)
+    server.state.begin_shutdown()  # what SIGTERM does first: refuse new requests...
+    refused = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi"}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    server.stop()  # ...then uvicorn stops
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 4 and all("shutting down" in o for o in outcomes)
+    assert server.blocks_in_use() == 0
+    bind_socket("127.0.0.1", server.port).close()  # the port is free again
+
+
+def test_sigterm_stops_the_serve_process(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", "tiny", "--device", "cpu",
+                             "--port", "0"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"http://[\d.]+:\d+", proc.stdout.readline()).group(0)
+        assert _wait(lambda: _healthy(url), timeout=60)
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "Hi", "max_tokens": 120, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            tail = list(lines)  # the stream ends (finished or cancelled), it does not hang
+        assert tail[-2:] == ["data: [DONE]", ""] or tail[-1:] == ["data: [DONE]"]
+        assert proc.wait(30) == 0
+        bind_socket("127.0.0.1", int(url.rsplit(":", 1)[1])).close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# ----------------------------------------------------------------------------- bench-serve
+
+def test_bench_serve_reports_over_http(live, tmp_path: Path, capsys) -> None:
+    from common import bench_serve
+    out = tmp_path / "serve.json"
+    bench_serve.main(["--base-url", live.url, "--model", "tiny", "--num-requests", "6", "--max-new-tokens", "5",
+                      "--no-stop-on-eos", "--warmup-runs", "0", "--repeat-runs", "2", "--max-concurrency", "3",
+                      "--json", str(out)])
+    report = capsys.readouterr().out
+    assert "=== streaming benchmark (HTTP) ===" in report and "TTFT p50/p95/p99" in report
+    data = json.loads(out.read_text())
+    assert data["requests"] == 6 and data["completion_tokens"] == 30 and len(data["runs"]) == 2
+    assert data["throughput_tok_s"]["completion"] > 0 and data["server"]["data"][0]["id"] == "tiny"
+    assert "git_commit" in data["env"] and "cpu_model" in data["env"]
+
+
+def test_bench_serve_workload_flags_match_the_benches() -> None:
+    from common import bench, bench_serve
+    ours = {a.dest: a.default for a in bench_serve.build_parser()._actions}
+    theirs = {a.dest: a.default for a in bench.build_parser("bench")._actions}
+    for flag, _ in bench_serve.WORKLOAD_FLAGS:
+        dest = flag.lstrip("-").replace("-", "_")
+        assert ours[dest] == theirs[dest], flag
+
+
+def test_port_in_use_fails_fast() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", taken.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- serve-overhead
+
+def test_serve_overhead_sides_take_the_same_flags() -> None:
+    """The three processes must accept what serve-overhead hands them, so the sides cannot drift."""
+    import argparse
+
+    from common import bench, bench_serve, serve, serve_overhead
+    a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
+    workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
+    local = bench.build_parser("bench").parse_args(workload + knobs)
+    remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
+    server = argparse.ArgumentParser()
+    serve.add_serve_args(server)
+    served = server.parse_args(knobs + ["--model", "tiny"])
+    for name in ("num_requests", "max_new_tokens", "prompt", "unique_prompts", "no_stop_on_eos", "seed"):
+        assert getattr(local, name) == getattr(remote, name), name
+    for name in ("max_batch_size", "prefill_max_batch_size", "no_prefix_cache", "stream_interval", "dtype"):
+        assert getattr(local, name) == getattr(served, name), name
+    assert local.no_prefix_cache and local.stream_interval == 1 and not local.pretok
+
+
+def test_serve_overhead_figures() -> None:
+    from common.serve_overhead import overhead
+    http = {"throughput_tok_s": {"completion": 90.0}, "ttft_ms": {"p50": 14.0}}
+    local = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 10.0}}
+    got = overhead(http, local)
+    assert got["throughput_loss_pct"] == pytest.approx(10.0) and got["ttft_p50_added_ms"] == pytest.approx(4.0)
+    assert got["within_targets"]
+    assert not overhead({**http, "ttft_ms": {"p50": 16.0}}, local)["within_targets"]
+
+
+def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
+    import argparse
+
+    from common import serve
+    p = argparse.ArgumentParser()
+    serve.add_serve_args(p)
+    with pytest.raises(SystemExit, match="stage 4 or later"):
+        serve.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
