@@ -46,7 +46,7 @@ class DecodeAttention:
         self.pool = pool
         self.new_slots = new_slots  # [W]: where each writing sequence's new K/V go
         B, nb = blocks.shape
-        self.blocks = blocks.reshape(B * nb)  # [B * nb]: the batch's block tables end to end
+        self.rows = pool.block_rows(blocks.reshape(B * nb))  # [Hkv * B * nb]: the block tables, per head
         keys = torch.arange(nb * pool.block_size, device=lengths.device)
         self.mask = (keys < lengths[:, None])[None, :, None, :]  # [1, B, 1, nb * bs]: True on real keys
         self.writers = writers  # [W]: rows that store their new K/V (None: all of them)
@@ -57,7 +57,7 @@ class DecodeAttention:
         Hkv = k.shape[2]
         rows = slice(None) if self.writers is None else self.writers
         self.pool.write(layer_idx, self.new_slots, k[rows, 0], v[rows, 0])
-        keys, values = self.pool.gather_blocks(layer_idx, self.blocks)  # [Hkv, B * nb, bs, D]
+        keys, values = self.pool.gather_blocks(layer_idx, self.rows)  # [Hkv, B * nb, bs, D]
         keys, values = keys.view(Hkv, B, -1, D), values.view(Hkv, B, -1, D)  # [Hkv, B, L, D]
         # GQA without copying K/V: the G query heads that share a KV head become G query rows.
         qh = q.view(B, Hkv, Hq // Hkv, D).transpose(0, 1)  # [Hkv, B, G, D]

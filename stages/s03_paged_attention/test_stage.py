@@ -111,6 +111,7 @@ def test_decode_attention_matches_per_sequence_sdpa(scale, all_write):
     seq_slots, tables = [], []
     for n, (pk, pv) in zip(past_lens, past):
         table = [free.pop() for _ in range(-(-(n + 1) // bs))]
+        pool.zero_if_fresh(table)  # as a session taking them does: their unused tails are read (masked)
         pos = torch.arange(n + 1)
         slots = torch.tensor(table)[pos // bs] * bs + pos % bs
         pool.write(1, slots[:n], pk, pv)

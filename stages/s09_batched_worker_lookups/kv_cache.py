@@ -6,8 +6,8 @@ owns a list of block ids (its *block table*) and takes a new block only when its
 is full. Short sequences hold little memory, and freed blocks are reused at once.
 
 The pool is laid out heads first, `[Hkv, num_blocks, block_size, D]`, so that one
-`index_select` over dim 1 copies whole blocks of a batch's sequences into a reused buffer that
-*is* the `[Hkv, B, L, D]` tensor attention wants: no per-step allocation, no reshuffling.
+`index_select` copies whole blocks of a batch's sequences into a reused buffer that *is* the
+`[Hkv, B, L, D]` tensor attention wants: no per-step allocation, no reshuffling.
 """
 
 from __future__ import annotations
@@ -154,15 +154,22 @@ class KVBlockPool:
         return (torch.index_select(k.view(k.shape[0], -1, k.shape[-1]), 1, slots).transpose(0, 1),
                 torch.index_select(v.view(v.shape[0], -1, v.shape[-1]), 1, slots).transpose(0, 1))
 
-    def gather_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the listed blocks ([B * nb] ids, B block tables end to end) of one layer into the reused
-        scratch buffer; returns K, V as `[Hkv, B * nb, block_size, D]` views of it."""
-        Hkv, _, bs, D = self.k[layer_idx].shape
-        shape = (Hkv, blocks.shape[0], bs, D)
-        n = Hkv * blocks.shape[0] * bs * D
+    def block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Where `blocks` ([n] ids) lie in the `[Hkv * num_blocks, block_size * D]` view of a layer,
+        head after head: [Hkv * n]. Made once per step; every layer gathers with it."""
+        Hkv, num_blocks = self.k[0].shape[:2]
+        heads = torch.arange(Hkv, device=blocks.device) * num_blocks  # [Hkv]
+        return (heads[:, None] + blocks[None, :]).reshape(-1)  # [Hkv * n]
+
+    def gather_blocks(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the blocks at `rows` (from `block_rows`) of one layer into the reused scratch buffer;
+        returns K, V as `[Hkv, n, block_size, D]` views of it. One `index_select` over dim 0 each:
+        whole rows of block_size * D values, the fast path, split across threads."""
+        Hkv, num_blocks, bs, D = self.k[layer_idx].shape
+        n = rows.shape[0] * bs * D
         if self._scratch.numel() < 2 * n:  # grows (by half again) as contexts grow; never shrinks
             self._scratch = torch.empty(3 * n, dtype=self._scratch.dtype, device=self._scratch.device)
-        k_out, v_out = self._scratch[:n].view(shape), self._scratch[n:2 * n].view(shape)
-        torch.index_select(self.k[layer_idx], 1, blocks, out=k_out)
-        torch.index_select(self.v[layer_idx], 1, blocks, out=v_out)
-        return k_out, v_out
+        k_out, v_out = self._scratch[:n].view(-1, bs * D), self._scratch[n:2 * n].view(-1, bs * D)
+        torch.index_select(self.k[layer_idx].view(Hkv * num_blocks, bs * D), 0, rows, out=k_out)
+        torch.index_select(self.v[layer_idx].view(Hkv * num_blocks, bs * D), 0, rows, out=v_out)
+        return k_out.view(Hkv, -1, bs, D), v_out.view(Hkv, -1, bs, D)
