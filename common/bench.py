@@ -33,7 +33,7 @@ import torch
 
 from common import stages as registry
 from common.envinfo import collect_env
-from common.floor import decode_batch, floor_fields, with_x_floor
+from common.floor import FloorSampler, decode_batch, with_x_floor
 from common.metrics import median_summary, summarize
 from common.report import comparison_ratios, format_comparison, format_report
 from common.workloads import build_workload, fresh_copies
@@ -253,8 +253,10 @@ def check_same_tokens(specs: list[EngineSpec], requests: list) -> dict:
 
 
 def run_engines(specs: list[EngineSpec], run_once: Callable[[EngineSpec], tuple[dict, list]], requests: list,
-                warmup_runs: int, repeat_runs: int, fresh_engine: bool) -> dict:
-    """Warmups, then repeats alternating engines (A B A B ...); returns the correctness record."""
+                warmup_runs: int, repeat_runs: int, fresh_engine: bool,
+                after_run: Callable[[], None] | None = None) -> dict:
+    """Warmups, then repeats alternating engines (A B A B ...); returns the correctness record.
+    `after_run` is called after every timed run (the worker samples the matmul floor there)."""
     correctness: dict = {"checked": False}
 
     def one(spec: EngineSpec) -> dict:
@@ -275,6 +277,8 @@ def run_engines(specs: list[EngineSpec], run_once: Callable[[EngineSpec], tuple[
         print(f"=== run {r + 1}/{repeat_runs} ===", flush=True)
         for spec in specs:
             spec.summaries.append(one(spec))
+            if after_run is not None:
+                after_run()
         if warmup_runs == 0 and r == 0:
             correctness = check_same_tokens(specs, requests)
     return correctness
@@ -352,19 +356,20 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
         print(f"note: {note}", flush=True)
 
     fresh = len(specs) > 1 and not args.same_process
+    floor = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))  # in-process runs
     if fresh:
         from common.engine_worker import run_bench_engines
         correctness = run_bench_engines(specs, stage_package, argv, mode, requests)
     elif mode == "streaming":
         from common import streaming_bench
-        correctness = streaming_bench.run_streaming_engines(specs, requests, args)
+        correctness = streaming_bench.run_streaming_engines(specs, requests, args, after_run=floor)
     else:
         correctness = run_engines(specs, lambda s: run_offline_once(s, requests), requests,
-                                  args.warmup_runs, args.repeat_runs, args.fresh_engine)
-    if not fresh:  # measured here, after the runs, as each worker does in its own process
-        floor = floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests)))
+                                  args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
+    if not fresh:  # sampled after each run here, as each worker does in its own process
+        fields = floor.fields()
         for spec in specs:
-            spec.floor = floor
+            spec.floor = fields
             spec.process = shared_process(len(specs))
     if mode == "streaming":
         from common import streaming_bench

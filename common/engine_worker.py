@@ -110,7 +110,7 @@ def bench_job(job: dict) -> dict:
     import torch
 
     from common import bench
-    from common.floor import decode_batch, floor_fields
+    from common.floor import FloorSampler, decode_batch
     from common.loader import load_model
 
     package, engine = job["package"], job["engine"]
@@ -126,22 +126,22 @@ def bench_job(job: dict) -> dict:
     if not specs:
         raise SystemExit(f"engine_worker: {package}'s bench has no engine {engine!r}")
     spec = specs[0]
+    floor = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))
     if job["mode"] == "streaming":
         from common import streaming_bench
-        streaming_bench.run_streaming_engines([spec], requests, args)
+        streaming_bench.run_streaming_engines([spec], requests, args, after_run=floor)
     else:
         bench.run_engines([spec], lambda s: bench.run_offline_once(s, requests), requests,
-                          args.warmup_runs, args.repeat_runs, args.fresh_engine)
+                          args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
     return {"engine": spec.name, "summaries": spec.summaries, "first_tokens": spec.first_tokens,
             "kv": spec.engine.kv_stats() if hasattr(spec.engine, "kv_stats") else None,
-            "floor": floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests))),
-            "workload_digest": workload_digest(requests), "env": _env(loaded)}
+            "floor": floor.fields(), "workload_digest": workload_digest(requests), "env": _env(loaded)}
 
 
 def ladder_job(job: dict) -> dict:
     """One rung of `stagewise ladder`, parsed from the same argv as the parent."""
     from common import ladder
-    from common.floor import decode_batch, floor_fields
+    from common.floor import FloorSampler, decode_batch
 
     args = ladder.parse_args(job["argv"])
     setup = ladder.prepare(args, [])
@@ -152,12 +152,12 @@ def ladder_job(job: dict) -> dict:
     if not picked:
         raise SystemExit(f"engine_worker: the ladder has no engine {engine!r} here")
     e = picked[0]
-    ladder.run_all([e], setup.requests, args)
+    floor = FloorSampler(setup.loaded.model, decode_batch(args.max_batch_size, len(setup.requests)))
+    ladder.run_all([e], setup.requests, args, after_run=floor)
     return {"engine": e.name, "error": e.error, "summaries": e.summaries, "first_tokens": e.first_tokens,
             "kv": e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else None,
             "setup_s": list(getattr(e.engine, "setup_s", None) or []),
-            "floor": floor_fields(setup.loaded.model, decode_batch(args.max_batch_size, len(setup.requests))),
-            "workload_digest": workload_digest(setup.requests), "env": _env(setup.loaded)}
+            "floor": floor.fields(), "workload_digest": workload_digest(setup.requests), "env": _env(setup.loaded)}
 
 
 def _env(loaded: Any) -> dict:

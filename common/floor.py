@@ -74,6 +74,27 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     return float(statistics.median(times))
 
 
+class FloorSampler:
+    """Samples the floor after every timed run, so that it sees the machine the runs saw.
+
+    A shared 2-core VM drifts: the same matmuls took 69 to 115 ms within one minute here. A floor
+    measured once, after all the runs, can land in a slower or faster minute than the runs did;
+    the median of one sample per run tracks them."""
+
+    def __init__(self, model: torch.nn.Module, batch: int) -> None:
+        self.model, self.batch = model, int(batch)
+        self.samples_ms: list[float] = []
+
+    def __call__(self) -> None:
+        self.samples_ms.append(matmul_floor_ms(self.model, self.batch, min_time_s=0.3))
+
+    def fields(self) -> dict[str, Any]:
+        if not self.samples_ms:
+            self()
+        return {"floor_ms": float(statistics.median(self.samples_ms)), "floor_batch": self.batch,
+                "floor_samples_ms": [round(s, 3) for s in self.samples_ms]}
+
+
 def floor_fields(model: torch.nn.Module, batch: int) -> dict[str, Any]:
     """The result-JSON fields: `floor_ms` and the `floor_batch` it was measured at."""
     return {"floor_ms": matmul_floor_ms(model, batch, min_time_s=0.5), "floor_batch": int(batch)}

@@ -38,7 +38,7 @@ import torch
 from common import stages as registry
 from common.bench import accepted, shared_process, wall_seconds, write_json
 from common.envinfo import collect_env
-from common.floor import decode_batch, floor_fields, with_x_floor
+from common.floor import FloorSampler, decode_batch, with_x_floor
 from common.ladder_report import HF_ENGINES, write_report
 from common.metrics import median_summary, summarize
 from common.requests import prepare_prompt
@@ -242,8 +242,10 @@ def run_once(e: Engine, requests: list, args: argparse.Namespace) -> tuple[dict,
     return summarize(completions, wall_s=wall_seconds(completions, t0, time.perf_counter())), completions
 
 
-def run_all(engines: list[Engine], requests: list, args: argparse.Namespace) -> None:
-    """Warmups then repeats, alternating engines; an engine that fails is dropped (and says why)."""
+def run_all(engines: list[Engine], requests: list, args: argparse.Namespace,
+            after_run: Callable[[], None] | None = None) -> None:
+    """Warmups then repeats, alternating engines; an engine that fails is dropped (and says why).
+    `after_run` is called after every timed run (the worker samples the matmul floor there)."""
     from tqdm import tqdm
 
     total = len(engines) * (args.warmup_runs + args.repeat_runs)
@@ -259,6 +261,8 @@ def run_all(engines: list[Engine], requests: list, args: argparse.Namespace) -> 
                             e.first_tokens = [c.token_ids for c in completions]
                         if not warm:
                             e.summaries.append(summary)
+                            if after_run is not None:
+                                after_run()
                     except Exception as exc:  # noqa: BLE001 -- recorded in the JSON, the ladder goes on
                         e.error = f"{type(exc).__name__}: {exc}"
                         tqdm.write(f"WARNING: {e.name} failed and is skipped: {e.error}\n"
@@ -361,8 +365,9 @@ def run_ladder(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     if args.same_process:
-        run_all(engines, requests, args)
-        floor = floor_fields(loaded.model, decode_batch(args.max_batch_size, len(requests)))
+        sampler = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))
+        run_all(engines, requests, args, after_run=sampler)
+        floor = sampler.fields()
         for e in engines:
             e.floor = floor
             e.process = shared_process(len(engines))

@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from common.bench import EngineSpec, accepted, describe_workload, knob_header, run_engines
 from common.metrics import percentiles, summarize
@@ -147,7 +147,8 @@ def make_manager(spec: EngineSpec, args: argparse.Namespace) -> Any:
     return cls(spec.engine, **accepted(cls, wanted))
 
 
-def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argparse.Namespace) -> dict:
+def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argparse.Namespace,
+                          after_run: Callable[[], None] | None = None) -> dict:
     """Warmups and alternating repeats (common.bench.run_engines), each run on a new manager."""
 
     def run_once(spec: EngineSpec) -> tuple[dict, list]:
@@ -158,7 +159,7 @@ def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argpars
         finally:
             manager.close()
 
-    return run_engines(specs, run_once, requests, args.warmup_runs, args.repeat_runs, args.fresh_engine)
+    return run_engines(specs, run_once, requests, args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run)
 
 
 def streaming_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
