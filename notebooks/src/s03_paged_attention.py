@@ -17,7 +17,8 @@ print(engine.kv_stats())
 
 # %% [markdown]
 # ## The pool
-# One K and one V tensor per layer, `[num_blocks, block_size, Hkv, D]`, shared by every request.
+# One K and one V tensor per layer, `[Hkv, num_blocks, block_size, D]` (heads first, so that
+# copying whole blocks gives attention its `[Hkv, B, L, D]` layout directly), shared by every request.
 
 # %%
 pool = engine.pool
@@ -45,6 +46,10 @@ for name, s in (("first", first), ("second", second)):
     print(f"{name}: {len(s.prompt_ids)} prompt tokens -> block_table {s.block_table}, "
           f"{s.reserved} more blocks booked for decode")
 print("slots of the first prompt's tokens:", first.context_slots().tolist())
+# The device mirror the decode step reads: one row per session, its blocks and its length.
+for name, s in (("first", first), ("second", second)):
+    print(f"{name}: row {s.row}: table {pool.tables.table[s.row, :len(s.block_table)].tolist()}, "
+          f"length {int(pool.tables.lengths[s.row])}")
 print("free list head:", list(alloc._free)[:6], " booked:", alloc.reserved)
 first.release_kv_blocks()
 print("after releasing the first: free list tail", list(alloc._free)[-4:], " booked:", alloc.reserved)
