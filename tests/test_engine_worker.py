@@ -105,7 +105,7 @@ def test_old_results_without_the_floor_still_render(tmp_path) -> None:
     from common import ladder_report
     from common.report import format_comparison, format_report
 
-    old = json.loads((ROOT / "docs/results/ladder.cpu.json").read_text())
+    old = json.loads((ROOT / "tests/data/old_ladder.cpu.json").read_text())  # written before the floor existed
     assert "x_floor" not in old["entries"][0]
     table = ladder_report.format_table(old)
     assert "x floor" in table and "engines alternating in one process" in table
@@ -123,7 +123,7 @@ def test_old_results_without_the_floor_still_render(tmp_path) -> None:
     (tmp_path / "new.json").write_text(json.dumps(new))
     assert "| x floor |" in hook.render_ladder_table(tmp_path, "new.json", "ladder.md")
     assert "| — |" in hook.render_ladder_table(tmp_path, "old.json", "ladder.md")
-    bench_old = json.loads((ROOT / "docs/results/s02_kv_cache.cpu.json").read_text())
+    bench_old = json.loads((ROOT / "tests/data/old_s02_kv_cache.cpu.json").read_text())  # idem
     assert "decode_step_ms" not in bench_old
     assert "Decode step" not in format_report(bench_old, {})
     (tmp_path / "b.json").write_text(json.dumps(bench_old))
