@@ -95,11 +95,6 @@ class FloorSampler:
                 "floor_samples_ms": [round(s, 3) for s in self.samples_ms]}
 
 
-def floor_fields(model: torch.nn.Module, batch: int) -> dict[str, Any]:
-    """The result-JSON fields: `floor_ms` and the `floor_batch` it was measured at."""
-    return {"floor_ms": matmul_floor_ms(model, batch, min_time_s=0.5), "floor_batch": int(batch)}
-
-
 def with_x_floor(result: dict, floor: dict | None) -> dict:
     """Add `floor_ms`, `floor_batch` and `x_floor` (= decode_step_ms / floor_ms) to `result`."""
     if not floor:

@@ -37,11 +37,23 @@ def test_floor_times_exactly_the_decode_steps_matmuls(tiny, monkeypatch) -> None
     assert calls[per_step - 1][1] == tuple(tiny.model.lm_head_weight.shape)
 
 
-def test_floor_fields_and_x_floor() -> None:
+def test_decode_batch_and_x_floor() -> None:
     assert floor.decode_batch(16, 32) == 16 and floor.decode_batch(16, 4) == 4
     result = floor.with_x_floor({"decode_step_ms": 6.0}, {"floor_ms": 2.0, "floor_batch": 4})
     assert result == {"decode_step_ms": 6.0, "floor_ms": 2.0, "floor_batch": 4, "x_floor": 3.0}
     assert floor.with_x_floor({"decode_step_ms": 6.0}, None) == {"decode_step_ms": 6.0}
+
+
+def test_floor_sampler_keeps_one_sample_per_run_and_reports_their_median(tiny, monkeypatch) -> None:
+    samples = iter([5.0, 1.0, 3.0])
+    monkeypatch.setattr(floor, "matmul_floor_ms", lambda model, batch, **kw: next(samples))
+    sampler = floor.FloorSampler(tiny.model, 4)
+    for _ in range(3):
+        sampler()  # as run_engines calls it after each timed run
+    assert sampler.fields() == {"floor_ms": 3.0, "floor_batch": 4, "floor_samples_ms": [5.0, 1.0, 3.0]}
+    lone = floor.FloorSampler(tiny.model, 2)
+    monkeypatch.setattr(floor, "matmul_floor_ms", lambda model, batch, **kw: 7.0)
+    assert lone.fields()["floor_samples_ms"] == [7.0]  # no timed run: measured once, when asked
 
 
 def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
