@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.stagewise-installed
 TORCH_CPU  ?= torch==2.13.0
 TORCH_GPU  ?= torch
 TORCH_INDEX ?=
-NEWEST := $(lastword $(sort $(wildcard stages/s0*_*)))
+NEWEST := $(lastword $(sort $(wildcard stages/s[0-9]*_*)))
 export NO_MKDOCS_2_WARNING := 1  # mkdocs-material's banner about MkDocs 2; not a build warning
 BENCH_ARGS ?=
 

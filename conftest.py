@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-STAGE_DIRS = sorted(p.name for p in (Path(__file__).parent / "stages").glob("s0*_*") if (p / "__init__.py").exists())
+STAGE_DIRS = sorted(p.name for p in (Path(__file__).parent / "stages").glob("s[0-9]*_*") if (p / "__init__.py").exists())
 
 
 def stage_module(name: str):

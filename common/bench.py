@@ -40,6 +40,9 @@ from common.workloads import build_workload, fresh_copies
 
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
                 "prefix_cache_max_entries", "prefill_max_batch_size")
+# Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
+# block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
+PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
 
 
 @dataclass
@@ -86,7 +89,8 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--prefix-cache-max-entries", type=int, default=None)
-    g.add_argument("--no-prefix-cache", action="store_true", help="prefix_cache_max_entries=0")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
     # A fresh engine per run (the model stays loaded): caches start cold, as in the posts' one run
     # per process; otherwise a warmup run would turn every timed request into a prefix-cache hit.
@@ -175,6 +179,7 @@ def engine_knobs(args: argparse.Namespace) -> dict:
     knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
     if args.no_prefix_cache:
         knobs["prefix_cache_max_entries"] = 0
+        knobs["enable_prefix_caching"] = False
     return knobs
 
 
@@ -185,6 +190,11 @@ def stage_spec(package: str, args: argparse.Namespace, loaded, notes: list[str])
     manager = getattr(module, "SchedulerManager", None)
     if manager is not None:  # knobs the manager takes itself (e.g. prefill_max_batch_size) are not "ignored"
         ignored = [k for k in ignored if k not in accepted(manager, engine_knobs(args))]
+    # `--no-prefix-cache` reached the stage if it took either of the two knobs; report it once otherwise.
+    took_cache_knob = any(k in knobs for k in PREFIX_CACHE_KNOBS)
+    explicit = {"prefix_cache_max_entries"} if args.prefix_cache_max_entries is not None else set()
+    ignored = [k for k in ignored if k not in PREFIX_CACHE_KNOBS or k in explicit
+               or (not took_cache_knob and k == "prefix_cache_max_entries")]
     if ignored:
         notes.append(f"{registry.short_name(package)} takes no {', '.join(ignored)}: not applied")
     return EngineSpec(registry.short_name(package),
@@ -319,6 +329,8 @@ def knob_header(spec: EngineSpec) -> dict:
     if spec.module is not None and accepted(spec.module.InferenceEngine, {"prefix_cache_max_entries": 0}):
         size = spec.knobs.get("prefix_cache_max_entries")
         header["Prefix cache"] = "off" if size == 0 else f"on (max entries {size or 'default'})"
+    elif spec.module is not None and accepted(spec.module.InferenceEngine, {"enable_prefix_caching": False}):
+        header["Prefix cache"] = "off" if spec.knobs.get("enable_prefix_caching") is False else "on (full blocks)"
     return header
 
 

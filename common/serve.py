@@ -368,7 +368,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--prefix-cache-max-entries", type=int, default=None)
-    g.add_argument("--no-prefix-cache", action="store_true", help="prefix_cache_max_entries=0")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
     g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")

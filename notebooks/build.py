@@ -92,7 +92,7 @@ def to_markdown(stem: str, cells: list[tuple[str, str]]) -> str:
 
 def outputs() -> dict[Path, str]:
     files: dict[Path, str] = {}
-    for src in sorted(SRC.glob("s0*_*.py")):
+    for src in sorted(SRC.glob("s[0-9]*_*.py")):
         cells = parse_cells(src.read_text())
         files[OUT / f"{src.stem}.ipynb"] = to_notebook(cells)
         files[OUT / f"{src.stem}.md"] = to_markdown(src.stem, cells)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no sources in {SRC}", file=sys.stderr)
         return 1
     expected = set(files)
-    stale = sorted(p for p in OUT.glob("s0*_*.*") if p.suffix in (".ipynb", ".md") and p not in expected)
+    stale = sorted(p for p in OUT.glob("s[0-9]*_*.*") if p.suffix in (".ipynb", ".md") and p not in expected)
     if args.check:
         bad = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
         for p in bad + stale:

@@ -255,7 +255,7 @@ def test_every_nav_page_exists_and_uses_only_known_directives() -> None:
 
 def test_stage_pages_use_strict_directives_and_the_committed_result_names() -> None:
     """All nine stages exist now: a renamed symbol or stage must fail the build, not show a note."""
-    stage_dirs = sorted(p.name for p in (REPO / "stages").glob("s0*_*") if p.is_dir())
+    stage_dirs = sorted(p.name for p in (REPO / "stages").glob("s[0-9]*_*") if p.is_dir())
     pages = sorted((REPO / "docs" / "stages").glob("*.md"))
     assert len(stage_dirs) == len(pages) == 9
     for i, (stage, page) in enumerate(zip(stage_dirs, pages)):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("s0*_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("s[0-9]*_*.ipynb"))
 
 
 def test_generated_notebooks_are_up_to_date():
@@ -19,7 +19,7 @@ def test_generated_notebooks_are_up_to_date():
 
 
 def test_there_is_a_notebook_per_stage():
-    stages = sorted(p.name for p in (ROOT / "stages").glob("s0*_*") if p.is_dir())
+    stages = sorted(p.name for p in (ROOT / "stages").glob("s[0-9]*_*") if p.is_dir())
     assert [p.stem for p in NOTEBOOKS] == stages
 
 
