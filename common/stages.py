@@ -20,6 +20,7 @@ STAGES: dict[int, str] = {
     8: "stages.s08_token_id_cache_keys",
     9: "stages.s09_batched_worker_lookups",
     10: "stages.s10_block_prefix_cache",
+    11: "stages.s11_chunked_prefill",
 }
 
 

@@ -35,15 +35,17 @@ def _check_mirror(engine, sessions) -> None:
 @pytest.mark.parametrize("stage", PAGED)
 def test_block_table_mirror_matches_every_session_before_every_step(tiny, hf_greedy, stage):
     engine = stage_module(stage).InferenceEngine(tiny, max_batch_size=3, block_size=4)
-    decode = engine.decode_step_sessions
+    # Stage 11 decodes inside step_sessions(decode, prefilling): one forward for decode rows and prompt chunks.
+    name = "step_sessions" if hasattr(engine, "step_sessions") else "decode_step_sessions"
+    decode = getattr(engine, name)
     steps = []
 
-    def spy(sessions):
+    def spy(sessions, *rest):
         _check_mirror(engine, sessions)
         steps.append(len(sessions))
-        return decode(sessions)
+        return decode(sessions, *rest)
 
-    engine.decode_step_sessions = spy
+    setattr(engine, name, spy)
     rng = random.Random(11)
     distinct = [[rng.randrange(100, 40000) for _ in range(n)] for n in (6, 13, 3, 9)]
     # Repeats and duplicates: prefix-cache hits, in-batch dedup and copy-on-write in 05+.

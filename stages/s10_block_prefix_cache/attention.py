@@ -1,10 +1,11 @@
 """Paged attention in plain PyTorch.
 
-Prefill: a prompt's uncached tokens attend to its cached blocks and, causally, to each other;
-their K/V are written into the sequence's blocks — for several prompts at once, packed into
-one row. Decode: each sequence of the batch adds one token and attends over its own cached tokens, read through its block table: its blocks
-are copied into a buffer that is reused every layer and every step, padded to the longest
-sequence of the batch and masked by length, and one SDPA call does the rest.
+Prefill: a prompt's uncached tokens attend to its cached blocks and, causally, to
+each other; their K/V are written into the sequence's blocks — for several prompts at once,
+packed into one row. Decode: each sequence of the batch adds one token and attends over its
+own cached tokens, read through its block table: its blocks are copied into a buffer that is
+reused every layer and every step, padded to the longest sequence of the batch and masked
+by length, and one SDPA call does the rest.
 """
 
 from __future__ import annotations
@@ -20,28 +21,28 @@ class PrefillAttention:
 
     No padding: with a prefix cache one prompt may compute 500 tokens and the next 20, and a
     right-padded `[N, T]` batch would pay for the longest on every row. Per layer, every new
-    K/V is written to its slot first; then each prompt attends on its own. One with nothing
-    cached is plain causal attention over its new K/V. One that starts at position `start`
-    reads its blocks — the cached ones, and the ones just written — into the decode gather
-    buffer, and its query t sees keys 0 .. start + t.
+    K/V is written to its slot first; then each prompt attends on its own: it reads its blocks
+    (the cached ones, and the ones just written) into the decode gather buffer, and its query
+    at position start + t sees keys 0 .. start + t.
+
+    GQA without copying K/V: the G query heads that share a KV head are stacked as G x n query
+    rows of that head (`[1, Hkv, G * n, D]`), with the mask repeated G times. On the CPU this
+    4-D call runs SDPA's fused kernel; `enable_gqa=True` takes the slow reference path there.
     """
 
     def __init__(self, pool: KVBlockPool, slots: torch.Tensor, spans: list[tuple[int, int, int]],
-                 tables: list[list[int]]) -> None:
+                 tables: list[list[int]], group: int) -> None:
         self.pool = pool
         self.slots = slots  # [S] where each new token's K/V go, prompt after prompt
         device, bs = slots.device, pool.block_size
-        # Per prompt: (offset in the row, new tokens, block rows to gather or None, mask [n, start + n]).
-        self.parts: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        # Per prompt: (offset in the row, new tokens, block rows to gather, mask [G * n, start + n]).
+        self.parts: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for (offset, start, n), table in zip(spans, tables):
-            if start == 0:
-                self.parts.append((offset, n, None, None))
-                continue
             length = start + n
             blocks = torch.tensor(table[: -(-length // bs)], device=device)  # [nb]
             keys = torch.arange(length, device=device)
             mask = keys[None, :] <= start + torch.arange(n, device=device)[:, None]  # [n, length]: causal from start
-            self.parts.append((offset, n, pool.block_rows(blocks), mask))
+            self.parts.append((offset, n, pool.block_rows(blocks), mask.repeat(group, 1)))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, S, Hq, D]; k, v: [1, S, Hkv, D]
@@ -49,16 +50,12 @@ class PrefillAttention:
         self.pool.write(layer_idx, self.slots, k[0], v[0])
         out = torch.empty_like(q[0])  # [S, Hq, D]
         for offset, n, rows, mask in self.parts:
-            qi = q[0, offset:offset + n].transpose(0, 1)  # [Hq, n, D]
-            if rows is None:
-                ki, vi = k[0, offset:offset + n].transpose(0, 1), v[0, offset:offset + n].transpose(0, 1)  # [Hkv, n, D]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=Hq != Hkv)
-            else:
-                keys, values = self.pool.gather_blocks(layer_idx, rows)  # [Hkv, nb, bs, D]
-                length = mask.shape[1]
-                ki, vi = keys.view(Hkv, -1, D)[:, :length], values.view(Hkv, -1, D)[:, :length]  # [Hkv, length, D]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=Hq != Hkv)
-            out[offset:offset + n] = oi.transpose(0, 1)  # [n, Hq, D]
+            qi = q[0, offset:offset + n].transpose(0, 1).reshape(1, Hkv, -1, D)  # [1, Hkv, G * n, D]
+            keys, values = self.pool.gather_blocks(layer_idx, rows)  # [Hkv, nb, bs, D]
+            length = mask.shape[1]
+            ki, vi = keys.view(1, Hkv, -1, D)[:, :, :length], values.view(1, Hkv, -1, D)[:, :, :length]  # [1, Hkv, length, D]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)  # [1, Hkv, G * n, D]
+            out[offset:offset + n] = oi.view(Hq, n, D).transpose(0, 1)  # [n, Hq, D]
         return out[None]  # [1, S, Hq, D]
 
 

@@ -136,6 +136,7 @@ class InferenceEngine:
         self.device = loaded.device
         self.max_batch_size = int(max_batch_size)
         self.max_model_len = loaded.config.max_position_embeddings
+        self.group = loaded.config.num_heads // loaded.config.num_kv_heads  # query heads per KV head
         self.eos_token_ids = loaded.config.eos_token_ids
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
@@ -270,10 +271,10 @@ class InferenceEngine:
             ids += s.prompt_ids[start:]
             positions += range(start, start + n)
             ends.append(len(ids) - 1)
-        attention = PrefillAttention(self.pool, slots.to(self.device), spans, [s.block_table for s in sessions])
+        attention = PrefillAttention(self.pool, slots.to(self.device), spans, [s.block_table for s in sessions], self.group)
         ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         pos_t = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, S]
-        return self.model(ids_t, pos_t, attention, logits_indices=torch.tensor(ends, device=self.device))  # [N, V]
+        return self.model(ids_t, pos_t, attention, logits_indices=torch.tensor(ends, dtype=torch.long, device=self.device))  # [N, V]
 
     def decode_step_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
         """One token for each session; returns logits [B, V].
