@@ -345,7 +345,8 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
     engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
     wanted = {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
-              "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size}
+              "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
+              "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
     manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, wanted))
     return manager, registry.short_name(package)
 
@@ -372,6 +373,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
     g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker)")
+    g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
+                   help="idle worker: wait up to this long for the rest of a burst before prefilling (0: off)")
+    g.add_argument("--queue-quiet-ms", type=float, default=5.0,
+                   help="with --max-queue-delay-ms: admit once no request has arrived for this long")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 

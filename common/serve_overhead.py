@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--prefill-max-batch-size", type=int, default=64)
+    # On for both sides: an idle worker waits for the rest of a burst, so neither side splits it and
+    # the difference is what HTTP costs. The quiet window is well above the arrival gaps seen over
+    # HTTP on a shared 2-core CPU (13 ms, and more when another job runs); it costs nothing here,
+    # because the burst fills the batch (--num-requests = --max-batch-size), which ends the wait.
+    p.add_argument("--max-queue-delay-ms", type=float, default=200.0, help="both sides; 0: off")
+    p.add_argument("--queue-quiet-ms", type=float, default=50.0, help="both sides")
     p.add_argument("--warmup-runs", type=int, default=1)
     p.add_argument("--repeat-runs", type=int, default=3)
     p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
@@ -59,7 +65,8 @@ def _workload_flags(a: argparse.Namespace) -> list[str]:
 def _engine_flags(a: argparse.Namespace) -> list[str]:
     """Identical engine knobs on both sides; the prefix cache off, so every run does the same work."""
     flags = ["--device", a.device, "--max-batch-size", str(a.max_batch_size),
-             "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1"]
+             "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1",
+             "--max-queue-delay-ms", str(a.max_queue_delay_ms), "--queue-quiet-ms", str(a.queue_quiet_ms)]
     return flags + (["--dtype", a.dtype] if a.dtype else [])
 
 

@@ -28,6 +28,10 @@ def add_streaming_args(p: argparse.ArgumentParser) -> None:
                    help="with --pretok: tokenize the prompt before --unique-prompts' suffix (same ids, different text)")
     g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker tokenizes)")
     g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
+    g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
+                   help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")
+    g.add_argument("--queue-quiet-ms", type=float, default=5.0,
+                   help="with --max-queue-delay-ms: admit once no request has arrived for this long")
     g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
     g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
     g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
@@ -143,7 +147,8 @@ def make_manager(spec: EngineSpec, args: argparse.Namespace) -> Any:
     cls = spec.module.SchedulerManager
     wanted = {"max_batch_size": args.max_batch_size, "record_token_timestamps": True,
               "stream_interval": args.stream_interval, "tokenize_workers": args.tokenize_workers,
-              "prefill_max_batch_size": args.prefill_max_batch_size}
+              "prefill_max_batch_size": args.prefill_max_batch_size,
+              "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
     return cls(spec.engine, **accepted(cls, wanted))
 
 
@@ -172,6 +177,8 @@ def streaming_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict
               "Max batch size": args.max_batch_size}
     if manager_takes_prefill:
         header["Prefill max batch size"] = args.prefill_max_batch_size or args.max_batch_size
+    if args.max_queue_delay_ms and accepted(spec.module.SchedulerManager, {"max_queue_delay_ms": 0}):
+        header["Max queue delay"] = f"{args.max_queue_delay_ms:g} ms (quiet {args.queue_quiet_ms:g} ms)"
     header.update(knob_header(spec))
     header["Repeats"] = f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"
     return header

@@ -1,0 +1,96 @@
+"""The idle worker's admission wait (`max_queue_delay_ms`, `queue_quiet_ms`), in every streaming stage.
+
+Requests added a few milliseconds apart to an idle manager: with the wait on they are admitted in
+ONE round (one batched prefill, no decode step between their admissions); with it off (the
+default) the first is admitted alone, as before. A lone request is never held past the maximum.
+Every wait is bounded; nothing here is a speed claim.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common import stages as registry
+
+STREAMING = [p for p in registry.STAGES.values() if hasattr(registry.load_stage(p), "SchedulerManager")]
+PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
+
+
+def _manager(package: str, tiny, **knobs):
+    stage = registry.load_stage(package)
+    return stage.SchedulerManager(stage.InferenceEngine(tiny, max_batch_size=8), max_batch_size=8, **knobs)
+
+
+def _record(manager) -> list[str]:
+    """Log the worker's admissions ("admit", one per request) and decode steps ("step"), in order."""
+    events: list[str] = []
+    sched = manager.scheduler
+    if hasattr(sched, "add_requests"):  # stage 06+: a burst is one call, one batched prefill
+        batched = sched.add_requests
+        sched.add_requests = lambda reqs: (events.extend(["admit"] * len(reqs)), batched(reqs))[1]
+    single = sched.add_request  # stages 04-05 admit one request at a time
+    sched.add_request = lambda *a, **k: (events.append("admit"), single(*a, **k))[1]
+    step = sched.step
+    sched.step = lambda: (events.append("step"), step())[1]
+    return events
+
+
+def _rounds(events: list[str]) -> int:
+    """Admission rounds: runs of admissions with no decode step between them."""
+    return sum(1 for i, e in enumerate(events) if e == "admit" and (i == 0 or events[i - 1] == "step"))
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def _burst(manager, gap_s: float) -> list:
+    handles = []
+    for prompt in PROMPTS:
+        handles.append(manager.add_request(prompt, max_new_tokens=4, temperature=0.0))
+        time.sleep(gap_s)
+    return handles
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_wait_admits_a_spread_burst_in_one_round(package, tiny):
+    # A quiet window far longer than the gaps, so a slow machine cannot split the burst.
+    with _manager(package, tiny, max_queue_delay_ms=10_000, queue_quiet_ms=1_000) as manager:
+        events = _record(manager)
+        handles = _burst(manager, gap_s=0.005)
+        for h in handles:
+            assert len(h.result(timeout=60).token_ids) == 4
+    assert events.count("admit") == len(PROMPTS)
+    assert _rounds(events) == 1, events
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_without_the_wait_the_first_arrival_is_admitted_alone(package, tiny):
+    with _manager(package, tiny) as manager:  # the default: off
+        events = _record(manager)
+        first = manager.add_request(PROMPTS[0], max_new_tokens=4, temperature=0.0)
+        _wait_for(lambda: "step" in events)  # admitted and decoding before anyone else arrives
+        rest = [manager.add_request(p, max_new_tokens=4, temperature=0.0) for p in PROMPTS[1:]]
+        for h in [first, *rest]:
+            assert len(h.result(timeout=60).token_ids) == 4
+    assert events[:2] == ["admit", "step"]
+    assert _rounds(events) >= 2, events
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_a_lone_request_waits_no_longer_than_the_maximum(package, tiny):
+    # The quiet window alone would hold it for a minute; the maximum (0.2 s) lets it in.
+    with _manager(package, tiny, max_queue_delay_ms=200, queue_quiet_ms=60_000) as manager:
+        handle = manager.add_request(PROMPTS[1], max_new_tokens=4, temperature=0.0)
+        assert len(handle.result(timeout=30).token_ids) == 4
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+@pytest.mark.parametrize("field", ["max_queue_delay_ms", "queue_quiet_ms"])
+def test_a_negative_wait_is_refused_naming_the_field(package, field, tiny):
+    with pytest.raises(ValueError, match=field):
+        _manager(package, tiny, **{field: -1})
