@@ -105,7 +105,8 @@ class SchedulerManager:
 
     def __init__(self, engine: InferenceEngine, max_batch_size: int = 8, record_token_timestamps: bool = False,
                  stream_interval: int = 1, tokenize_workers: int = 0,
-                 prefill_max_batch_size: int | None = None) -> None:
+                 prefill_max_batch_size: int | None = None,
+                 max_queue_delay_ms: float = 0.0, queue_quiet_ms: float = 5.0) -> None:
         if int(max_batch_size) <= 0:
             raise ValueError("max_batch_size must be positive")
         # How many pending requests one worker iteration admits (prefills); None = max_batch_size,
@@ -119,10 +120,16 @@ class SchedulerManager:
             raise ValueError("stream_interval must be positive")
         if int(tokenize_workers) < 0:
             raise ValueError("tokenize_workers must be >= 0")
+        if not float(max_queue_delay_ms) >= 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
+        if not float(queue_quiet_ms) >= 0:
+            raise ValueError(f"queue_quiet_ms must be >= 0, got {queue_quiet_ms}")
         self.engine = engine
         self.scheduler = OnlineScheduler(engine, max_batch_size=int(max_batch_size))
         self.record_token_timestamps = record_token_timestamps
         self.stream_interval = int(stream_interval)
+        self.max_queue_delay_s = float(max_queue_delay_ms) / 1000.0  # 0: admit at once (off)
+        self.queue_quiet_s = float(queue_quiet_ms) / 1000.0
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending: queue.Queue[_Pending] = queue.Queue()
@@ -213,6 +220,7 @@ class SchedulerManager:
                 if not self._running:
                     break
             self._handle_cancellations()
+            self._wait_for_burst()
             self._admit_pending()
             if self.scheduler.has_unfinished():
                 self._run_decode_once()
@@ -220,6 +228,35 @@ class SchedulerManager:
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
         self._cancel_everything()
+
+    def _wait_for_burst(self) -> None:
+        """An idle worker holds its first admission until the pending queue has been quiet for
+        queue_quiet_ms, and never longer than max_queue_delay_ms (0, the default: no wait).
+
+        Why: the requests of one burst reach the manager spread over milliseconds (tens over
+        HTTP). Admitted at once, the first arrival is prefilled alone and a decode step runs
+        before the rest get in, so most of the burst waits a prefill and a step for its first
+        token. A short wait lets the burst share one batched prefill. This is Triton's dynamic
+        batcher's `max_queue_delay_microseconds` (TorchServe: `max_batch_delay`), with a quiet
+        window so a lone request waits queue_quiet_ms, not the whole maximum. Only when nothing
+        runs: a busy worker admits newcomers at every step, and waiting there would stall the
+        running requests' tokens (vLLM's `scheduler_delay_factor` is the knob for that case).
+        """
+        if self.max_queue_delay_s <= 0 or self._waiting or self.scheduler.has_unfinished():
+            return
+        seen = self._pending.qsize()
+        if seen == 0:
+            return
+        start = last_arrival = time.perf_counter()
+        while seen < self.scheduler.max_batch_size:
+            timeout = min(last_arrival + self.queue_quiet_s, start + self.max_queue_delay_s) - time.perf_counter()
+            if timeout <= 0:
+                return
+            self._wakeup.clear()
+            if self._pending.qsize() == seen:  # checked after clear(): an arrival just before it is not missed
+                self._wakeup.wait(timeout)
+            if self._pending.qsize() != seen:
+                seen, last_arrival = self._pending.qsize(), time.perf_counter()
 
     def _admit_pending(self) -> None:
         """Drain up to prefill_max_batch_size pending requests into ONE add_requests call (one batched prefill)."""
