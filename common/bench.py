@@ -83,6 +83,11 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--long-max-new-tokens", type=int, default=None, help="default 10x --max-new-tokens")
     g.add_argument("--shared-prefix-len", type=int, default=None, help="random token prefix shared by all prompts")
     g.add_argument("--repeat-prompts", type=int, default=None, help="each distinct prompt sent K times in a row")
+    g.add_argument("--long-prompts", type=int, default=None,
+                   help="K late requests after the others, each --long-prompt-len random token ids")
+    g.add_argument("--long-prompt-len", type=int, default=2000, help="tokens in each late long prompt")
+    g.add_argument("--long-prompt-interval-ms", type=float, default=2000.0,
+                   help="the first late long prompt arrives after T ms, then one every T ms")
     g = p.add_argument_group("engine knobs (passed only to engines whose constructor takes them)")
     g.add_argument("--max-batch-size", type=int, default=8)
     g.add_argument("--block-size", type=int, default=None)
@@ -144,7 +149,8 @@ def workload_from_args(tokenizer, args: argparse.Namespace):
         prompt_len_range=rng, max_new_tokens=args.max_new_tokens, long_every=args.long_every,
         long_max_new_tokens=args.long_max_new_tokens, shared_prefix_len=args.shared_prefix_len,
         repeat_prompts=args.repeat_prompts, stop_on_eos=not args.no_stop_on_eos, seed=args.seed,
-        pretok=args.pretok, pretok_base_token_ids=args.pretok_base_token_ids)
+        pretok=args.pretok, pretok_base_token_ids=args.pretok_base_token_ids, long_prompts=args.long_prompts,
+        long_prompt_len=args.long_prompt_len, long_prompt_interval_ms=args.long_prompt_interval_ms)
 
 
 def describe_workload(args: argparse.Namespace) -> str:
@@ -159,7 +165,11 @@ def describe_workload(args: argparse.Namespace) -> str:
     text += f", {args.max_new_tokens} new tokens"
     if args.long_every:
         text += f" ({args.long_max_new_tokens or 10 * args.max_new_tokens} for 1 in {args.long_every})"
-    return text + (", EOS ignored" if args.no_stop_on_eos else ", stop on EOS")
+    text += ", EOS ignored" if args.no_stop_on_eos else ", stop on EOS"
+    if args.long_prompts:
+        text += (f"; then {args.long_prompts} late prompts of {args.long_prompt_len} random tokens, "
+                 f"one every {args.long_prompt_interval_ms:g} ms")
+    return text
 
 
 # ----------------------------------------------------------------------------- engines
@@ -364,6 +374,9 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
             notes.append(f"{', '.join(lacking)} has no SchedulerManager: every engine runs through offline "
                          f"generate() so the comparison stays like for like")
             mode = "offline"
+    if mode == "offline" and any(r.submit_offset_s is not None for r in requests):
+        notes.append("offline generate() takes every request at once: the late requests' planned arrivals "
+                     "(--long-prompts) are ignored")
     for note in notes:
         print(f"note: {note}", flush=True)
 

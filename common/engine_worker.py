@@ -34,7 +34,8 @@ class WorkerError(RuntimeError):
 
 def workload_digest(requests: list) -> str:
     """A fingerprint of a workload, so the parent can check the child rebuilt the same requests."""
-    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos] for r in requests]
+    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos, r.submit_offset_s]
+            for r in requests]
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
 
 
