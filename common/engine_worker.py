@@ -116,9 +116,7 @@ def bench_job(job: dict) -> dict:
 
     package, engine = job["package"], job["engine"]
     module = importlib.import_module(package)
-    parser = bench.build_parser(f"python -m {package}.bench")
-    parser.set_defaults(**bench.bench_defaults(module, parser))
-    args = parser.parse_args(job["argv"])
+    args = bench.parse_bench_args(module, job["argv"])
     bench.check_args(args)
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)

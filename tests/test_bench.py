@@ -345,6 +345,43 @@ def test_offline_bench_says_it_ignores_the_late_arrivals(fake_stages, capsys):
     assert any("planned arrivals (--long-prompts) are ignored" in n for n in result["notes"])
 
 
+def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
+    from common.bench import PRESETS, as_defaults, build_parser, parse_bench_args
+
+    module = fake_stages["second"]  # its BENCH: 5 requests, 3 new tokens, and a workload of its own
+    monkeypatch.setitem(module.BENCH, "shared_prefix_len", 500)
+    monkeypatch.setitem(module.BENCH, "unique_prompts", True)
+    want = as_defaults(PRESETS["post-052"], build_parser("bench"), "post-052")
+    args = parse_bench_args(module, ["--preset", "post-052"])
+    assert {k: getattr(args, k) for k in want} == want
+    no_bench = types.ModuleType("no_bench")
+    assert args == parse_bench_args(no_bench, ["--preset", "post-052"])  # whatever the stage's BENCH
+    assert args.shared_prefix_len is None and args.unique_prompts is False
+    assert args.num_requests == 64 and args.max_new_tokens == 128 and args.submit_interval_ms == 20.0
+    assert parse_bench_args(module, []).num_requests == 5  # no preset: the stage's BENCH
+    typed = parse_bench_args(module, ["--preset", "post-052", "--num-requests", "7", "--repeat-runs", "1"])
+    assert typed.num_requests == 7 and typed.repeat_runs == 1 and typed.max_new_tokens == 128  # flags still win
+
+
+def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
+    from common.bench import parse_bench_args
+
+    with pytest.raises(SystemExit):
+        parse_bench_args(fake_stages["second"], ["--preset", "post-999"])
+    err = capsys.readouterr().err
+    assert "--preset" in err and "post-999" in err and "post-052" in err
+
+
+def test_post_052_preset_is_stage_09s_bench_and_make_bench_runs_it():
+    import importlib
+
+    from common.bench import PRESETS
+
+    assert PRESETS["post-052"] == importlib.import_module("stages.s09_batched_worker_lookups").BENCH
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    assert ".bench --preset post-052 $(BENCH_ARGS)" in makefile
+
+
 # ----------------------------------------------------------------------------- registry, cli, env
 
 def test_stage_registry_names():
