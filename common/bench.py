@@ -44,6 +44,29 @@ ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
 # block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
 PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
 
+# Named workloads (`--preset NAME`): a preset takes the place of the stage's own BENCH (a flag it
+# does not set keeps the bench's plain default, not the stage's); typed flags still override.
+# "post-052" is post 052's shape (stage 09's BENCH; a test keeps the two equal): `make bench`
+# runs it on the newest stage, whatever that stage's own workload, so its numbers compare.
+PRESETS: dict[str, dict] = {
+    "post-052": {
+        "mode": "streaming",
+        "prompt": "Hello",
+        "pretok": True,
+        "stream_interval": 8,
+        "num_requests": 64,
+        "submit_interval_ms": 20.0,
+        "submit_schedule": "absolute",
+        "max_new_tokens": 128,
+        "max_batch_size": 64,
+        "prefill_max_batch_size": 64,
+        "no_stop_on_eos": True,
+        "no_prefix_cache": True,
+        "warmup_runs": 1,
+        "repeat_runs": 2,
+    },
+}
+
 
 @dataclass
 class EngineSpec:
@@ -72,6 +95,9 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--seed", type=int, default=0, help="workload RNG and torch seed")
     g = p.add_argument_group("workload")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named workload instead of the stage's BENCH (flags still override); "
+                        "post-052: post 052's shape, what `make bench` runs")
     g.add_argument("--prompt", default="Hello")
     g.add_argument("--unique-prompts", action="store_true", help="append ' #i' to each prompt text")
     g.add_argument("--prompt-len-min", type=int, default=None, help="random prompt token ids, min length")
@@ -83,6 +109,11 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--long-max-new-tokens", type=int, default=None, help="default 10x --max-new-tokens")
     g.add_argument("--shared-prefix-len", type=int, default=None, help="random token prefix shared by all prompts")
     g.add_argument("--repeat-prompts", type=int, default=None, help="each distinct prompt sent K times in a row")
+    g.add_argument("--long-prompts", type=int, default=None,
+                   help="K late requests after the others, each --long-prompt-len random token ids")
+    g.add_argument("--long-prompt-len", type=int, default=2000, help="tokens in each late long prompt")
+    g.add_argument("--long-prompt-interval-ms", type=float, default=2000.0,
+                   help="the first late long prompt arrives after T ms, then one every T ms")
     g = p.add_argument_group("engine knobs (passed only to engines whose constructor takes them)")
     g.add_argument("--max-batch-size", type=int, default=8)
     g.add_argument("--block-size", type=int, default=None)
@@ -114,7 +145,12 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
 
 def bench_defaults(module: ModuleType, parser: argparse.ArgumentParser | None = None) -> dict:
     """A stage's `BENCH` dict turned into argparse defaults (CLI flags still override)."""
-    bench = dict(getattr(module, "BENCH", {}) or {})
+    return as_defaults(getattr(module, "BENCH", {}) or {}, parser, f"BENCH of {module.__name__}")
+
+
+def as_defaults(bench: dict, parser: argparse.ArgumentParser | None, where: str) -> dict:
+    """A BENCH-style dict (or a preset) as argparse dests; unknown keys are an error naming `where`."""
+    bench = dict(bench)
     if "prompt_len_range" in bench:
         rng = bench.pop("prompt_len_range")
         bench["prompt_len_min"], bench["prompt_len_max"] = (None, None) if rng is None else rng
@@ -123,8 +159,23 @@ def bench_defaults(module: ModuleType, parser: argparse.ArgumentParser | None = 
     known = {a.dest for a in (parser or build_parser("bench"))._actions}
     unknown = sorted(set(bench) - known)
     if unknown:
-        raise ValueError(f"BENCH: unknown keys {unknown} in {module.__name__}")
+        raise ValueError(f"{where}: unknown keys {unknown}")
     return bench
+
+
+def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = None) -> argparse.Namespace:
+    """The flags of a stage's bench: its BENCH (or `--preset`'s workload instead) as defaults,
+    then what was typed. The bench and its worker processes both parse here, so they build the
+    same workload."""
+    prog = prog or f"python -m {module.__name__}.bench"
+    parser = build_parser(prog)
+    parser.set_defaults(**bench_defaults(module, parser))
+    args = parser.parse_args(argv)
+    if args.preset is not None:  # a second pass on a parser without the stage's BENCH
+        parser = build_parser(prog)
+        parser.set_defaults(**as_defaults(PRESETS[args.preset], parser, f"preset {args.preset!r}"))
+        args = parser.parse_args(argv)
+    return args
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -144,7 +195,8 @@ def workload_from_args(tokenizer, args: argparse.Namespace):
         prompt_len_range=rng, max_new_tokens=args.max_new_tokens, long_every=args.long_every,
         long_max_new_tokens=args.long_max_new_tokens, shared_prefix_len=args.shared_prefix_len,
         repeat_prompts=args.repeat_prompts, stop_on_eos=not args.no_stop_on_eos, seed=args.seed,
-        pretok=args.pretok, pretok_base_token_ids=args.pretok_base_token_ids)
+        pretok=args.pretok, pretok_base_token_ids=args.pretok_base_token_ids, long_prompts=args.long_prompts,
+        long_prompt_len=args.long_prompt_len, long_prompt_interval_ms=args.long_prompt_interval_ms)
 
 
 def describe_workload(args: argparse.Namespace) -> str:
@@ -159,7 +211,11 @@ def describe_workload(args: argparse.Namespace) -> str:
     text += f", {args.max_new_tokens} new tokens"
     if args.long_every:
         text += f" ({args.long_max_new_tokens or 10 * args.max_new_tokens} for 1 in {args.long_every})"
-    return text + (", EOS ignored" if args.no_stop_on_eos else ", stop on EOS")
+    text += ", EOS ignored" if args.no_stop_on_eos else ", stop on EOS"
+    if args.long_prompts:
+        text += (f"; then {args.long_prompts} late prompts of {args.long_prompt_len} random tokens, "
+                 f"one every {args.long_prompt_interval_ms:g} ms")
+    return text
 
 
 # ----------------------------------------------------------------------------- engines
@@ -344,10 +400,8 @@ def offline_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
 def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     """Entry point of every `stages/<stage>/bench.py`; returns the JSON-shaped result."""
     module = importlib.import_module(stage_package)
-    parser = build_parser(f"python -m {stage_package}.bench")
-    parser.set_defaults(**bench_defaults(module, parser))
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parse_bench_args(module, argv)
     check_args(args)
     from common.loader import load_model
 
@@ -364,6 +418,9 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
             notes.append(f"{', '.join(lacking)} has no SchedulerManager: every engine runs through offline "
                          f"generate() so the comparison stays like for like")
             mode = "offline"
+    if mode == "offline" and any(r.submit_offset_s is not None for r in requests):
+        notes.append("offline generate() takes every request at once: the late requests' planned arrivals "
+                     "(--long-prompts) are ignored")
     for note in notes:
         print(f"note: {note}", flush=True)
 

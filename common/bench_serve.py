@@ -47,6 +47,11 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--long-max-new-tokens", {"type": int, "default": None, "help": "default 10x --max-new-tokens"}),
     ("--shared-prefix-len", {"type": int, "default": None, "help": "random token prefix shared by all prompts"}),
     ("--repeat-prompts", {"type": int, "default": None, "help": "each distinct prompt sent K times in a row"}),
+    ("--long-prompts", {"type": int, "default": None,
+                        "help": "K late requests after the others, each --long-prompt-len random token ids"}),
+    ("--long-prompt-len", {"type": int, "default": 2000, "help": "tokens in each late long prompt"}),
+    ("--long-prompt-interval-ms", {"type": float, "default": 2000.0,
+                                   "help": "the first late long prompt is sent after T ms, then one every T ms"}),
     ("--seed", {"type": int, "default": 0, "help": "workload RNG (and Poisson arrivals)"}),
 ]
 
@@ -215,7 +220,12 @@ def run_once(target: Target, pool: ConnectionPool, workers: ThreadPoolExecutor, 
     slowed by starting 64 threads and 64 TCP handshakes."""
     n = len(requests)
     bodies = [request_body(target, model, r) for r in requests]
-    offsets = arrival_offsets(n, args.request_rate, args.arrivals, args.seed)
+    # The requests without a planned arrival on the --request-rate schedule; the late ones
+    # (--long-prompts) at their own offset. Sent in order of planned time.
+    plain = [i for i, r in enumerate(requests) if r.submit_offset_s is None]
+    offsets = [r.submit_offset_s or 0.0 for r in requests]
+    for i, at in zip(plain, arrival_offsets(len(plain), args.request_rate, args.arrivals, args.seed)):
+        offsets[i] = at
     slots = threading.BoundedSemaphore(args.max_concurrency) if args.max_concurrency else None
     planned, called = [0.0] * n, [0.0] * n
 
@@ -226,15 +236,15 @@ def run_once(target: Target, pool: ConnectionPool, workers: ThreadPoolExecutor, 
             if slots is not None:
                 slots.release()
 
-    futures = []
+    futures: list[Any] = [None] * n  # by request index, whatever the order they were sent in
     t0 = time.perf_counter()
-    for i in range(n):
+    for i in sorted(range(n), key=lambda i: offsets[i]):
         planned[i] = t0 + offsets[i]
         _sleep_until(planned[i])
         if slots is not None:
             slots.acquire()
         called[i] = time.perf_counter()
-        futures.append(workers.submit(work, i))
+        futures[i] = workers.submit(work, i)
     done, pending = wait(futures, timeout=args.request_timeout_s)
     failed = [(i, f.exception() if f in done else "timed out") for i, f in enumerate(futures)
               if f in pending or f.exception() is not None]
@@ -245,14 +255,15 @@ def run_once(target: Target, pool: ConnectionPool, workers: ThreadPoolExecutor, 
     starts = [c.timings["submitted"] for c in results]
     ends = [c.token_timestamps[-1] for c in results if c.token_timestamps] or starts
     summary = summarize(results, wall_s=max(1e-9, max(ends) - min(starts)))
-    summary.update(submit_wall_s=called[-1] - called[0],
+    summary.update(submit_wall_s=max(called) - min(called),
                    submit_lag_ms=percentiles((c - p) * 1000.0 for c, p in zip(called, planned)))
     return summary, results
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
     """Only random-token workloads need one (to pick ordinary ids and decode them)."""
-    if args.prompt_len_min is None and args.prompt_len_max is None and not args.shared_prefix_len:
+    if args.prompt_len_min is None and args.prompt_len_max is None and not args.shared_prefix_len \
+            and not args.long_prompts:
         return None
     from transformers import AutoTokenizer
 
@@ -293,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     info = server_info(target)
     pool = ConnectionPool(target, args.request_timeout_s)
     runs = []
-    with ThreadPoolExecutor(args.max_concurrency or args.num_requests, thread_name_prefix="bench-serve") as workers:
+    with ThreadPoolExecutor(args.max_concurrency or len(requests), thread_name_prefix="bench-serve") as workers:
         for w in range(args.warmup_runs):
             print(f"=== warmup {w + 1}/{args.warmup_runs} ===", flush=True)
             run_once(target, pool, workers, args.model, requests, args)

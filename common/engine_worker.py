@@ -34,7 +34,8 @@ class WorkerError(RuntimeError):
 
 def workload_digest(requests: list) -> str:
     """A fingerprint of a workload, so the parent can check the child rebuilt the same requests."""
-    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos] for r in requests]
+    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos, r.submit_offset_s]
+            for r in requests]
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -115,9 +116,7 @@ def bench_job(job: dict) -> dict:
 
     package, engine = job["package"], job["engine"]
     module = importlib.import_module(package)
-    parser = bench.build_parser(f"python -m {package}.bench")
-    parser.set_defaults(**bench.bench_defaults(module, parser))
-    args = parser.parse_args(job["argv"])
+    args = bench.parse_bench_args(module, job["argv"])
     bench.check_args(args)
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -18,6 +18,7 @@ instead (all requests submitted at once), which is where those stages show.
     stagewise ladder --model tiny --out /tmp/ladder           # a quick check (under a minute)
     stagewise ladder --workload burst --mode streaming --tag --out docs/results
     stagewise ladder --workload decode-step --tag --out docs/results   # step ms and x floor at batch 16
+    stagewise ladder --workload long-prompts --mode streaming --stages 9,10,11 --tag --out docs/results
 
 The table and chart are drawn from the JSON alone (common/ladder_report.py), so a committed
 result can be redrawn without measuring again.
@@ -69,8 +70,19 @@ WORKLOADS: dict[str, tuple[str, dict, dict]] = {
     "decode-step": ("the decode step against the matmul floor: 16 rows of 160 tokens in one batch",
                     dict(num_requests=16, prompt_len_range=(160, 160), max_new_tokens=40, stop_on_eos=False),
                     {"max_batch_size": 16}),
+    "shared-prefix": ("a 500-token system prompt shared by 32 distinct questions: the block-level prefix cache "
+                      "(stage 10)",
+                      dict(num_requests=32, shared_prefix_len=500, unique_prompts=True,
+                           prompt="What is the capital of France?", max_new_tokens=32, stop_on_eos=False),
+                      {"max_batch_size": 16}),
+    "long-prompts": ("2,000-token prompts arriving while 16 streams decode: the streams' ITL p99 (stage 11; "
+                     "use --mode streaming)",
+                     dict(num_requests=16, prompt_len_range=(64, 128), max_new_tokens=96, stop_on_eos=False,
+                          long_prompts=4, long_prompt_len=2000, long_prompt_interval_ms=2000.0),
+                     {"max_batch_size": 16}),
 }
 DEFAULT_MAX_BATCH_SIZE = 8
+SHARED_PREFIX_QUESTION_ROOM = 16  # tokens kept for the question after a shared prefix, when it must be cut
 
 
 @dataclass
@@ -164,6 +176,15 @@ def workload_kwargs(args: argparse.Namespace, max_model_len: int, notes: list[st
         hi = max_model_len - longest_new
         kw["prompt_len_range"] = (min(kw["prompt_len_range"][0], hi), hi)
         notes.append(f"prompt lengths capped at {hi} tokens to fit the model's {max_model_len}-token context")
+    if kw.get("long_prompts") and kw["long_prompt_len"] + longest_new > max_model_len:
+        kw["long_prompt_len"] = max_model_len - longest_new
+        notes.append(f"long prompts cut to {kw['long_prompt_len']} tokens to fit the model's "
+                     f"{max_model_len}-token context")
+    room = max_model_len - longest_new - SHARED_PREFIX_QUESTION_ROOM
+    if kw.get("shared_prefix_len") and kw["shared_prefix_len"] > room:
+        kw["shared_prefix_len"] = max(1, room)
+        notes.append(f"shared prefix cut to {kw['shared_prefix_len']} tokens to fit the model's "
+                     f"{max_model_len}-token context")
     return kw
 
 
@@ -174,9 +195,15 @@ def describe(name: str, kw: dict) -> str:
         text = f"prompt {kw['prompt'][:40] + '...' if len(kw['prompt']) > 40 else kw['prompt']!r}"
         text += " + ' #i'" if kw.get("unique_prompts") else " (the same each time)"
     text = f"{name}: {kw['num_requests']} requests, {text}, {kw['max_new_tokens']} new tokens"
+    if kw.get("shared_prefix_len"):
+        text += f", after a shared prefix of {kw['shared_prefix_len']} tokens"
     if kw.get("long_every"):
         text += f" ({kw['long_max_new_tokens']} for 1 in {kw['long_every']})"
-    return text + (", stop on EOS" if kw.get("stop_on_eos", True) else ", EOS ignored")
+    text += ", stop on EOS" if kw.get("stop_on_eos", True) else ", EOS ignored"
+    if kw.get("long_prompts"):
+        text += (f"; then {kw['long_prompts']} late prompts of {kw['long_prompt_len']} tokens, one every "
+                 f"{kw['long_prompt_interval_ms']:g} ms")
+    return text
 
 
 def auto_kv_blocks(requests: list, tokenizer, max_model_len: int, concurrency: int, block_size: int = 16) -> int:
@@ -361,6 +388,9 @@ def run_ladder(argv: list[str] | None = None) -> dict:
     if args.mode == "offline":
         notes.append("offline generate(): stages 06, 07 and 09 change the streaming SchedulerManager, "
                      "which this mode does not use (--mode streaming does)")
+    if any(r.submit_offset_s is not None for r in requests):
+        notes.append("the late requests' planned arrivals are honoured by the streaming SchedulerManager only; "
+                     "offline generate() takes every request at once")
     engines = build_engines(args, setup, stage_numbers, not args.no_hf, notes, skipped)
 
     t0 = time.perf_counter()

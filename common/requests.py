@@ -67,11 +67,17 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """One generation request: text and/or token ids (token ids win when both are given)."""
+    """One generation request: text and/or token ids (token ids win when both are given).
+
+    `submit_offset_s` is a benchmark's plan, not part of generation: the streaming runners
+    submit the request that many seconds after the run starts (a late arrival); None follows
+    the runner's own schedule. Offline `generate()` takes every request at once and ignores it.
+    """
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    submit_offset_s: float | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field: "prompt ...", "prompt_token_ids ...", or a params field."""
@@ -86,6 +92,9 @@ class Request:
                 raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r}")
         if not ids and not self.prompt:
             raise ValueError("prompt is empty: give a non-empty prompt or non-empty prompt_token_ids")
+        offset = self.submit_offset_s
+        if offset is not None and (not _is_real(offset) or not math.isfinite(offset) or offset < 0):
+            raise ValueError(f"submit_offset_s must be a finite number >= 0 or None, got {offset!r}")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
         self.params.validate()

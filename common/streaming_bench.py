@@ -3,7 +3,9 @@
 One submitter thread calls `SchedulerManager.add_request` on a schedule (`--submit-interval-ms`,
 `absolute`: request i at t0 + i * interval, however long earlier calls took; `relative`: sleep
 the interval after each call returns) and one consumer thread per request drains its stream,
-so streaming itself is exercised, as a client would. The manager stamps each Completion
+so streaming itself is exercised, as a client would. A request with a planned arrival
+(`Request.submit_offset_s`, e.g. --long-prompts' late ones) is submitted at t0 + that offset
+instead, taking no slot of the schedule; submissions go in order of planned time. The manager stamps each Completion
 (submitted / tokenized / scheduled / first_token / finished and per-token times); this file
 adds what only the client sees: submit lag, add_request latency and submit wall.
 A fresh SchedulerManager is made for every run and always closed.
@@ -81,21 +83,35 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
         except BaseException as exc:  # the request's own error: report it, keep the others going
             errors.append((i, exc))
 
+    # Requests on the schedule in list order; requests with a planned arrival by that time.
+    plain = [i for i, r in enumerate(requests) if r.submit_offset_s is None]
+    timed = sorted((i for i, r in enumerate(requests) if r.submit_offset_s is not None),
+                   key=lambda i: requests[i].submit_offset_s)
+
     def submit() -> None:
         t0 = time.perf_counter()
         next_at = t0
-        for i, request in enumerate(requests):
-            planned[i] = t0 + i * interval if submit_schedule == "absolute" else next_at
+        k = j = 0  # plain[k] is the next request on the schedule (it takes slot k), timed[j] the next late one
+        while k < len(plain) or j < len(timed):
+            slot_at = None if k == len(plain) else (t0 + k * interval if submit_schedule == "absolute" else next_at)
+            late = j < len(timed) and (slot_at is None or t0 + requests[timed[j]].submit_offset_s < slot_at)
+            if late:
+                i, j = timed[j], j + 1
+                planned[i] = t0 + requests[i].submit_offset_s
+            else:
+                i, k = plain[k], k + 1
+                planned[i] = slot_at
             _sleep_until(planned[i])
             called[i] = time.perf_counter()
             try:
-                handle = manager.add_request(**_submit_kwargs(request))
+                handle = manager.add_request(**_submit_kwargs(requests[i]))
             except BaseException as exc:
                 errors.append((i, exc))
                 handle = None
             returned[i] = time.perf_counter()
             inboxes[i].put(handle)
-            next_at = returned[i] + interval
+            if not late:
+                next_at = returned[i] + interval
 
     consumers = [threading.Thread(target=consume, args=(i,), daemon=True, name=f"consumer-{i}") for i in range(n)]
     for t in consumers:
@@ -118,12 +134,17 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
             for c in completions]
     summary = summarize(completions, wall_s=max(1e-9, max(ends) - min(starts)))
     summary.update(
-        submit_wall_s=called[-1] - called[0],
+        submit_wall_s=max(called) - min(called),
         submit_interval_ms=float(submit_interval_ms),
         submit_schedule=submit_schedule,
         submit_lag_ms=percentiles((c - p) * 1000.0 for c, p in zip(called, planned)),
         add_request_ms=percentiles((r - c) * 1000.0 for c, r in zip(called, returned)),
     )
+    if timed:
+        # The streams the late arrivals land among, on their own: their ITL is what a long
+        # prefill stalls (stage 11's number). The pooled itl_ms above counts the late ones too.
+        summary["late_requests"] = len(timed)
+        summary["on_schedule_itl_ms"] = summarize([completions[i] for i in plain])["itl_ms"] if plain else {}
     return summary, completions
 
 

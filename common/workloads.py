@@ -9,7 +9,10 @@ Each workload isolates one effect from the posts:
 - `prompt_len_range`: random prompt token ids of random length (realistic padding waste);
 - `long_every` (post 002): one request in `long_every` wants many more tokens than the rest --
   the case where static batching idles and continuous batching wins;
-- `shared_prefix_len` / `repeat_prompts`: material for prefix caching.
+- `shared_prefix_len` / `repeat_prompts`: material for prefix caching;
+- `long_prompts` (stage 11): K prompts of `long_prompt_len` random token ids that arrive late,
+  one every `long_prompt_interval_ms`, while the ordinary requests decode. Their planned arrival
+  is on the request (`Request.submit_offset_s`); the streaming runners honour it.
 Everything random comes from one seeded RNG, so a workload is reproducible from its flags.
 """
 from __future__ import annotations
@@ -67,8 +70,15 @@ def build_workload(
     seed: int = 0,
     pretok: bool = False,
     pretok_base_token_ids: bool = False,
+    long_prompts: int | None = None,
+    long_prompt_len: int = 2000,
+    long_prompt_interval_ms: float = 2000.0,
 ) -> list[Request]:
-    """Build `num_requests` greedy requests (see the module docstring for each knob).
+    """Build `num_requests` greedy requests (see the module docstring for each knob), then
+    `long_prompts` late ones: request num_requests + k (k = 0..K-1) is `long_prompt_len` random
+    ordinary token ids, planned at (k + 1) * long_prompt_interval_ms after the start, with the
+    same max_new_tokens as the others. They are drawn after the ordinary prompts, so adding
+    them leaves the ordinary requests as they were.
 
     Prompt ids are filled in (`prompt_token_ids`) when `pretok`, and always for random-length
     or shared-prefix prompts, which only exist as ids; their `prompt` text is the decoded ids, so
@@ -81,6 +91,12 @@ def build_workload(
     _check("long_max_new_tokens", long_max_new_tokens, 1)
     _check("shared_prefix_len", shared_prefix_len, 0)
     _check("repeat_prompts", repeat_prompts, 1)
+    _check("long_prompts", long_prompts, 0)
+    if long_prompts:
+        if long_prompt_len is None or long_prompt_len < 1:
+            raise ValueError(f"long_prompt_len: must be >= 1 with long_prompts, got {long_prompt_len}")
+        if not isinstance(long_prompt_interval_ms, (int, float)) or not 0 <= long_prompt_interval_ms < math.inf:
+            raise ValueError(f"long_prompt_interval_ms: must be a finite number >= 0, got {long_prompt_interval_ms!r}")
     if prompt_len_range is not None:
         lo_len, hi_len = (int(x) for x in prompt_len_range)
         if not 1 <= lo_len <= hi_len:
@@ -123,6 +139,13 @@ def build_workload(
         n_new = (long_max_new_tokens or 10 * max_new_tokens) if is_long else max_new_tokens
         params = SamplingParams(max_new_tokens=n_new, stop_on_eos=stop_on_eos)
         requests.append(Request(prompt=text, prompt_token_ids=None if ids is None else list(ids), params=params))
+    if long_prompts:
+        lo, hi, special = ordinary_token_range(tokenizer)
+        for k in range(long_prompts):
+            ids = random_token_ids(rng, long_prompt_len, lo, hi, special)
+            requests.append(Request(prompt=tokenizer.decode(ids), prompt_token_ids=ids,
+                                    params=SamplingParams(max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos),
+                                    submit_offset_s=(k + 1) * long_prompt_interval_ms / 1000.0))
     return requests
 
 

@@ -227,6 +227,53 @@ def test_shared_prefix_and_repeats():
         build_workload(FakeTokenizer(), num_requests=0, max_new_tokens=1)
 
 
+def test_long_prompts_arrive_late_after_the_others():
+    plain = build_workload(FakeTokenizer(), num_requests=3, prompt_len_range=(4, 8), max_new_tokens=5, seed=1)
+    reqs = build_workload(FakeTokenizer(), num_requests=3, prompt_len_range=(4, 8), max_new_tokens=5, seed=1,
+                          long_prompts=2, long_prompt_len=12, long_prompt_interval_ms=250.0)
+    assert len(reqs) == 5
+    assert [r.submit_offset_s for r in reqs] == [None, None, None, 0.25, 0.5]
+    assert [r.prompt_token_ids for r in reqs[:3]] == [r.prompt_token_ids for r in plain]  # the others unchanged
+    late = reqs[3:]
+    assert all(len(r.prompt_token_ids) == 12 and r.params.max_new_tokens == 5 for r in late)
+    assert late[0].prompt_token_ids != late[1].prompt_token_ids
+    assert all(1000 <= t < 5000 for r in late for t in r.prompt_token_ids)  # ordinary ids only
+    assert all(r.submit_offset_s is None for r in build_workload(FakeTokenizer(), num_requests=2, max_new_tokens=1))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"long_prompts": -1}, "long_prompts"),
+    ({"long_prompts": 1, "long_prompt_len": 0}, "long_prompt_len"),
+    ({"long_prompts": 1, "long_prompt_interval_ms": -5.0}, "long_prompt_interval_ms"),
+])
+def test_bad_long_prompt_values_name_their_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        build_workload(FakeTokenizer(), num_requests=1, max_new_tokens=1, **kwargs)
+
+
+def test_submit_offset_is_validated_and_in_the_workload_digest():
+    from common.engine_worker import workload_digest
+    from common.requests import Request
+
+    with pytest.raises(ValueError, match="^submit_offset_s"):
+        Request(prompt="Hi", submit_offset_s=-0.1).validate()
+    Request(prompt="Hi", submit_offset_s=0.0).validate()
+    reqs = build_workload(FakeTokenizer(), num_requests=2, max_new_tokens=1, long_prompts=1, long_prompt_len=3)
+    moved = copy.deepcopy(reqs)
+    moved[-1].submit_offset_s = 4.0
+    assert workload_digest(reqs) == workload_digest(copy.deepcopy(reqs))
+    assert workload_digest(reqs) != workload_digest(moved)
+
+
+def test_describe_workload_names_the_late_prompts():
+    from common.bench import build_parser, describe_workload
+
+    args = build_parser("bench").parse_args(["--long-prompts", "4", "--long-prompt-len", "2000",
+                                             "--long-prompt-interval-ms", "2000"])
+    assert "4 late prompts of 2000 random tokens, one every 2000 ms" in describe_workload(args)
+    assert "late" not in describe_workload(build_parser("bench").parse_args([]))
+
+
 # ----------------------------------------------------------------------------- harness
 
 def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
@@ -287,6 +334,52 @@ def test_flags_override_bench_defaults(fake_stages):
     assert 8 <= result["prompt_tokens"] <= 12
     assert result["compare"] == [] and result["correctness"] == {"checked": False, "equal": True, "mismatches": {}}
     assert result["floor_batch"] == 2 and result["x_floor"] > 0  # a single stage gets the floor too
+
+
+def test_offline_bench_says_it_ignores_the_late_arrivals(fake_stages, capsys):
+    from common.bench import run_stage_bench
+
+    result = run_stage_bench("fake_s02", ["--long-prompts", "2", "--long-prompt-len", "6", "--warmup-runs", "0",
+                                          "--repeat-runs", "1"])
+    assert result["requests"] == 7 and result["completion_tokens"] == 21  # 5 + 2 late, 3 tokens each
+    assert any("planned arrivals (--long-prompts) are ignored" in n for n in result["notes"])
+
+
+def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
+    from common.bench import PRESETS, as_defaults, build_parser, parse_bench_args
+
+    module = fake_stages["second"]  # its BENCH: 5 requests, 3 new tokens, and a workload of its own
+    monkeypatch.setitem(module.BENCH, "shared_prefix_len", 500)
+    monkeypatch.setitem(module.BENCH, "unique_prompts", True)
+    want = as_defaults(PRESETS["post-052"], build_parser("bench"), "post-052")
+    args = parse_bench_args(module, ["--preset", "post-052"])
+    assert {k: getattr(args, k) for k in want} == want
+    no_bench = types.ModuleType("no_bench")
+    assert args == parse_bench_args(no_bench, ["--preset", "post-052"])  # whatever the stage's BENCH
+    assert args.shared_prefix_len is None and args.unique_prompts is False
+    assert args.num_requests == 64 and args.max_new_tokens == 128 and args.submit_interval_ms == 20.0
+    assert parse_bench_args(module, []).num_requests == 5  # no preset: the stage's BENCH
+    typed = parse_bench_args(module, ["--preset", "post-052", "--num-requests", "7", "--repeat-runs", "1"])
+    assert typed.num_requests == 7 and typed.repeat_runs == 1 and typed.max_new_tokens == 128  # flags still win
+
+
+def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
+    from common.bench import parse_bench_args
+
+    with pytest.raises(SystemExit):
+        parse_bench_args(fake_stages["second"], ["--preset", "post-999"])
+    err = capsys.readouterr().err
+    assert "--preset" in err and "post-999" in err and "post-052" in err
+
+
+def test_post_052_preset_is_stage_09s_bench_and_make_bench_runs_it():
+    import importlib
+
+    from common.bench import PRESETS
+
+    assert PRESETS["post-052"] == importlib.import_module("stages.s09_batched_worker_lookups").BENCH
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    assert ".bench --preset post-052 $(BENCH_ARGS)" in makefile
 
 
 # ----------------------------------------------------------------------------- registry, cli, env

@@ -233,3 +233,62 @@ def test_compare_with_a_stage_without_manager_falls_back_to_offline(fake_streami
     assert result["mode"] == "offline" and result["compare"][0]["engine"] == "fake_s03"
     assert "submit_lag_ms" not in result
     assert "fake_s03 has no SchedulerManager: every engine runs through offline generate()" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- late arrivals
+
+class RecordingManager(FakeManager):
+    """The fake manager, noting which prompt each add_request call carried and when."""
+
+    def __init__(self, engine, **kwargs) -> None:
+        super().__init__(engine, **kwargs)
+        self.calls: list[tuple[str, float]] = []
+
+    def add_request(self, prompt=None, **kwargs) -> FakeHandle:
+        self.calls.append((prompt, time.perf_counter()))
+        return super().add_request(prompt, **kwargs)
+
+
+def test_late_requests_are_submitted_no_earlier_than_planned_and_in_planned_order():
+    # Late ones placed first and out of order in the list: submission follows planned time.
+    reqs = [Request(prompt="late 60", params=SamplingParams(max_new_tokens=2), submit_offset_s=0.060),
+            *_requests(3),
+            Request(prompt="late 30", params=SamplingParams(max_new_tokens=2), submit_offset_s=0.030)]
+    manager = RecordingManager(FakeEngine(_loaded()))
+    before = time.perf_counter()
+    try:
+        summary, completions = run_streaming_once(manager, reqs, submit_interval_ms=5.0)
+    finally:
+        manager.close()
+    order = [prompt for prompt, _ in manager.calls]
+    assert order == ["Hello #0", "Hello #1", "Hello #2", "late 30", "late 60"]
+    at = dict(manager.calls)
+    assert at["late 30"] - before >= 0.030 and at["late 60"] - before >= 0.060
+    assert at["Hello #2"] - at["Hello #0"] >= 0.010  # the others keep their 5 ms slots: 0, 1, 2
+    assert [c.prompt for c in completions] == [r.prompt for r in reqs]  # results stay in request order
+    assert summary["late_requests"] == 2 and set(summary["on_schedule_itl_ms"]) == {"p50", "p95", "p99"}
+    assert summary["submit_lag_ms"]["p50"] >= 0.0
+
+
+def test_a_stages_manager_gets_the_late_long_prompts_late(tiny):
+    from common import stages as registry
+    from common.bench import accepted
+    from common.workloads import build_workload
+
+    module = registry.load_stage(registry.newest_available_stage())
+    reqs = build_workload(tiny.tokenizer, num_requests=3, prompt_len_range=(8, 16), max_new_tokens=4,
+                          stop_on_eos=False, long_prompts=2, long_prompt_len=40, long_prompt_interval_ms=40.0)
+    engine = module.InferenceEngine(tiny, max_batch_size=8)
+    cls = module.SchedulerManager
+    manager = cls(engine, **accepted(cls, {"max_batch_size": 8, "record_token_timestamps": True}))
+    before = time.perf_counter()
+    try:
+        summary, completions = run_streaming_once(manager, reqs)
+    finally:
+        manager.close()
+    for r, c in zip(reqs[3:], completions[3:]):
+        assert c.timings["submitted"] - before >= r.submit_offset_s
+        assert c.prompt_token_ids == r.prompt_token_ids and len(c.token_ids) == 4
+    assert summary["requests"] == 5 and summary["late_requests"] == 2
+    offline = module.InferenceEngine(tiny, max_batch_size=8).generate(reqs)  # ignores the offsets
+    assert [c.token_ids for c in completions] == [c.token_ids for c in offline]
