@@ -39,7 +39,7 @@ from common.report import comparison_ratios, format_comparison, format_report
 from common.workloads import build_workload, fresh_copies
 
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
-                "prefix_cache_max_entries", "prefill_max_batch_size")
+                "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens")
 # Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
 # block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
 PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
@@ -123,6 +123,7 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
     # A fresh engine per run (the model stays loaded): caches start cold, as in the posts' one run
     # per process; otherwise a warmup run would turn every timed request into a prefix-cache hit.
     g.add_argument("--reuse-engine", dest="fresh_engine", action="store_false",
@@ -376,7 +377,8 @@ def write_json(path: str | Path, data: dict) -> None:
 
 
 KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache max concurrency",
-               "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size"}
+               "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size",
+               "max_num_batched_tokens": "Max num batched tokens"}
 
 
 def knob_header(spec: EngineSpec) -> dict:

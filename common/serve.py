@@ -365,6 +365,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
     g.add_argument("--max-batch-size", type=int, default=8)
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
