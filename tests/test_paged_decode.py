@@ -76,8 +76,9 @@ def test_decode_gathers_into_one_reused_buffer(tiny, stage):
     reqs = [Request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(n)],
                     params=SamplingParams(max_new_tokens=24, stop_on_eos=False)) for n in (5, 17, 30, 2)]
     engine.generate(reqs)
-    # The buffer grows (by half again) as contexts grow, a handful of times at most: never per step or layer.
-    assert 1 <= len(storages) <= 4
+    # The buffer grows (by half again) as contexts grow, a handful of times at most: never per step or
+    # layer. From stage 10 on, the prefill reads prompts' blocks through it too: a growth or two more.
+    assert 1 <= len(storages) <= (4 if int(stage[1:3]) < 10 else 6)
 
 
 @pytest.mark.parametrize("stage", PAGED)
