@@ -354,7 +354,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
 
-    p.add_argument("--stage", default=str(max(registry.STAGES)), help="stage 4-9 (default: newest)")
+    p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
