@@ -23,7 +23,7 @@ def format_table(data: dict) -> str:
     rows = data["entries"]
     base = next((r for r in rows if r["engine"] == "s01_naive_batching"), None)
     head = (f"{'engine':26s} {'mode':9s} {'compl tok/s':>11s} {'total tok/s':>11s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-            f"{'TPOT p50':>9s} {'step ms':>8s} {'x floor':>7s} {'peak KV':>9s} {'x s01':>6s}  tokens")
+            f"{'TPOT p50':>9s} {'ITL p99':>9s} {'step ms':>8s} {'x floor':>7s} {'peak KV':>9s} {'x s01':>6s}  tokens")
     lines = [f"=== ladder: {data['model']} on {data['env']['device_name']} ({data['dtype']}) ===",
              f"Workload: {data['workload']['description']}",
              f"Tokens per run: {data['workload']['prompt_tokens']} prompt + {data['workload']['completion_tokens']} "
@@ -38,7 +38,7 @@ def format_table(data: dict) -> str:
         ok = {True: "same", False: "DIFFER", None: "—"}[r.get("tokens_match_reference")]
         lines.append(f"{r['engine']:26s} {r['mode']:9s} {_f(r['throughput_tok_s']['completion']):>11s} "
                      f"{_f(r['throughput_tok_s']['total']):>11s} {_f(r['ttft_ms']['p50']):>9s} "
-                     f"{_f(r['ttft_ms']['p99']):>9s} {_f(r['tpot_ms']['p50']):>9s} "
+                     f"{_f(r['ttft_ms']['p99']):>9s} {_f(r['tpot_ms']['p50']):>9s} {_f(r.get('itl_ms', {}).get('p99')):>9s} "
                      f"{_f(r.get('decode_step_ms')):>8s} {_f(r.get('x_floor')):>7s} "
                      f"{_f(None if peak is None else peak / 2**20):>9s} {_f(ratio):>6s}  {ok}")
     for s in data["skipped"]:
@@ -69,8 +69,8 @@ def write_chart(data: dict, path: Path) -> None:
 
     rows = data["entries"][::-1]  # top to bottom: stage 01 first
     labels = [r["label"] for r in rows]
-    colors = ["#9e9e9e" if r["engine"] in HF_ENGINES else "#5c6bc0" if (r["stage"] or 0) <= 3 else "#26a69a"
-              for r in rows]
+    colors = ["#9e9e9e" if r["engine"] in HF_ENGINES else "#5c6bc0" if (r["stage"] or 0) <= 3
+              else "#26a69a" if (r["stage"] or 0) <= 9 else "#ef6c00" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.42 * len(rows)), sharey=True)
     tput = [r["throughput_tok_s"]["completion"] for r in rows]
     a.barh(labels, tput, color=colors)
@@ -81,11 +81,12 @@ def write_chart(data: dict, path: Path) -> None:
     log = min(p50) > 0 and max(p99) / min(p50) > 10  # one slow rung would flatten all the others
     b.set_xlabel("time to first token (ms, lower is better" + (", log scale)" if log else ")"))
     groups = [("#5c6bc0", "static batches (01-03)"), ("#26a69a", "continuous batching (04-09)"),
-              ("#9e9e9e", "Hugging Face")]
+              ("#ef6c00", "past the posts (10-11)"), ("#9e9e9e", "Hugging Face")]
+    groups = [g for g in groups if g[0] in colors]  # a ladder of a few rungs lists only their groups
     handles = [Patch(color=c, label=t) for c, t in groups]
     handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=12,
                           label="TTFT p99 (bar: p50; numbers: p50 / p99)"))
-    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     for ax, vals in ((a, tput), (b, p50)):
         top = max(vals + ([max(p99)] if ax is b else [])) or 1.0
         if ax is b and log:

@@ -193,13 +193,14 @@ def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> s
            f"**Environment:** {env_line(data)}. "
            f"Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
            "| engine | mode | completion tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
-           "| TPOT p50 (ms) | decode step (ms) | x floor | peak KV (MiB) |", "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+           "| TPOT p50 (ms) | ITL p99 (ms) | decode step (ms) | x floor | peak KV (MiB) |",
+           "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise DocsError(f"{path}: entries[{i}] must be an object")
         _number(e, "throughput_tok_s.completion", f"{path} entries[{i}]")
         cells = [_fmt(_value(e, k)) for k in ("throughput_tok_s.completion", "throughput_tok_s.total",
-                                              "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50",
+                                              "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "itl_ms.p99",
                                               "decode_step_ms", "x_floor", "kv.peak_kv_bytes")]
         out.append(f"| `{_name(e, str(i))}` | {e.get('mode', '—')} | " + " | ".join(cells) + " |")
     return "\n".join(out)
