@@ -66,6 +66,7 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
     planned, called, returned = [0.0] * n, [0.0] * n, [0.0] * n
     completions: list[Any] = [None] * n
     streamed: list[tuple[str, list[int]]] = [("", [])] * n
+    received: list[float | None] = [None] * n  # when the consumer got the first token (not when it was sampled)
     errors: list[tuple[int, BaseException]] = []
     inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
 
@@ -76,6 +77,8 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
         try:
             text, ids = [], []
             for chunk in handle:
+                if received[i] is None and chunk.token_ids:
+                    received[i] = time.perf_counter()
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
             streamed[i] = ("".join(text), ids)
@@ -140,6 +143,12 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
         submit_lag_ms=percentiles((c - p) * 1000.0 for c, p in zip(called, planned)),
         add_request_ms=percentiles((r - c) * 1000.0 for c, r in zip(called, returned)),
     )
+    # TTFT as a client sees it: submit -> the consumer thread holding the first token, after the
+    # worker's queue and a thread switch (ttft_ms is stamped where the token is sampled). This is
+    # the in-process twin of what an HTTP client measures, which is what serve-overhead compares.
+    got = [(r - c.timings["submitted"]) * 1000.0 for r, c in zip(received, completions) if r is not None]
+    if got:
+        summary["ttft_received_ms"] = percentiles(got)
     if timed:
         # The streams the late arrivals land among, on their own: their ITL is what a long
         # prefill stalls (stage 11's number). The pooled itl_ms above counts the late ones too.

@@ -403,6 +403,10 @@ def test_serve_overhead_figures() -> None:
     assert got["throughput_loss_pct"] == pytest.approx(10.0) and got["ttft_p50_added_ms"] == pytest.approx(4.0)
     assert got["within_targets"]
     assert not overhead({**http, "ttft_ms": {"p50": 16.0}}, local)["within_targets"]
+    # Like for like: where the in-process consumer got its first token, when the run has that stamp.
+    received = overhead(http, {**local, "ttft_received_ms": {"p50": 12.0}})
+    assert received["ttft_p50_added_ms"] == pytest.approx(2.0)
+    assert received["ttft_p50_ms"] == {"http": 14.0, "in_process": 12.0, "in_process_sampled": 10.0}
 
 
 def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:

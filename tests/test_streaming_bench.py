@@ -290,5 +290,7 @@ def test_a_stages_manager_gets_the_late_long_prompts_late(tiny):
         assert c.timings["submitted"] - before >= r.submit_offset_s
         assert c.prompt_token_ids == r.prompt_token_ids and len(c.token_ids) == 4
     assert summary["requests"] == 5 and summary["late_requests"] == 2
+    # A consumer holds a token only after the worker sampled it: received TTFT >= sampled TTFT, p by p.
+    assert all(summary["ttft_received_ms"][p] >= summary["ttft_ms"][p] for p in ("p50", "p95", "p99"))
     offline = module.InferenceEngine(tiny, max_batch_size=8).generate(reqs)  # ignores the offsets
     assert [c.token_ids for c in completions] == [c.token_ids for c in offline]
