@@ -68,6 +68,42 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The workload flags (`workload_from_args` reads them): the benches, the ladder's workers and
+# `stagewise bench-serve`, which replays the same workloads over HTTP, all take exactly these.
+WORKLOAD_FLAGS: list[tuple[str, dict]] = [
+    ("--prompt", {"default": "Hello"}),
+    ("--unique-prompts", {"action": "store_true", "help": "append ' #i' to each prompt text"}),
+    ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
+    ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
+    ("--num-requests", {"type": int, "default": 32}),
+    ("--max-new-tokens", {"type": int, "default": 16}),
+    ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (HTTP: sends ignore_eos)"}),
+    ("--long-every", {"type": int, "default": None, "help": "request i wants --long-max-new-tokens if i %% N == 0"}),
+    ("--long-max-new-tokens", {"type": int, "default": None, "help": "default 10x --max-new-tokens"}),
+    ("--shared-prefix-len", {"type": int, "default": None, "help": "random token prefix shared by all prompts"}),
+    ("--repeat-prompts", {"type": int, "default": None, "help": "each distinct prompt sent K times in a row"}),
+    ("--long-prompts", {"type": int, "default": None,
+                        "help": "K late requests after the others, each --long-prompt-len random token ids"}),
+    ("--long-prompt-len", {"type": int, "default": 2000, "help": "tokens in each late long prompt"}),
+    ("--long-prompt-interval-ms", {"type": float, "default": 2000.0,
+                                   "help": "the first late long prompt arrives after T ms, then one every T ms"}),
+]
+
+
+def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
+    """The stages' engine knobs as flags (the benches and `stagewise serve`); `engine_knobs`
+    reads them back, and each is passed only to stages whose constructor takes it."""
+    g.add_argument("--max-batch-size", type=int, default=8)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--prefix-cache-max-entries", type=int, default=None)
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
+    g.add_argument("--prefill-max-batch-size", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
+
+
 @dataclass
 class EngineSpec:
     """One engine in a comparison: how to build it, the engine itself, and its run summaries."""
@@ -98,32 +134,10 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a named workload instead of the stage's BENCH (flags still override); "
                         "post-052: post 052's shape, what `make bench` runs")
-    g.add_argument("--prompt", default="Hello")
-    g.add_argument("--unique-prompts", action="store_true", help="append ' #i' to each prompt text")
-    g.add_argument("--prompt-len-min", type=int, default=None, help="random prompt token ids, min length")
-    g.add_argument("--prompt-len-max", type=int, default=None, help="random prompt token ids, max length")
-    g.add_argument("--num-requests", type=int, default=32)
-    g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--no-stop-on-eos", action="store_true", help="always generate max-new-tokens")
-    g.add_argument("--long-every", type=int, default=None, help="request i wants --long-max-new-tokens if i %% N == 0")
-    g.add_argument("--long-max-new-tokens", type=int, default=None, help="default 10x --max-new-tokens")
-    g.add_argument("--shared-prefix-len", type=int, default=None, help="random token prefix shared by all prompts")
-    g.add_argument("--repeat-prompts", type=int, default=None, help="each distinct prompt sent K times in a row")
-    g.add_argument("--long-prompts", type=int, default=None,
-                   help="K late requests after the others, each --long-prompt-len random token ids")
-    g.add_argument("--long-prompt-len", type=int, default=2000, help="tokens in each late long prompt")
-    g.add_argument("--long-prompt-interval-ms", type=float, default=2000.0,
-                   help="the first late long prompt arrives after T ms, then one every T ms")
+    for flag, kwargs in WORKLOAD_FLAGS:
+        g.add_argument(flag, **kwargs)
     g = p.add_argument_group("engine knobs (passed only to engines whose constructor takes them)")
-    g.add_argument("--max-batch-size", type=int, default=8)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--prefix-cache-max-entries", type=int, default=None)
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
-    g.add_argument("--prefill-max-batch-size", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
+    add_engine_knob_args(g)
     # A fresh engine per run (the model stays loaded): caches start cold, as in the posts' one run
     # per process; otherwise a warmup run would turn every timed request into a prefix-cache hit.
     g.add_argument("--reuse-engine", dest="fresh_engine", action="store_false",

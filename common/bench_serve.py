@@ -27,31 +27,16 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
+from common import bench
 from common.bench import describe_workload, workload_from_args, write_json
 from common.metrics import median_summary, percentiles, summarize
 from common.report import format_report
 from common.requests import Completion, Request
 from common.streaming_bench import _sleep_until
 
-# The benches' workload flags (common/bench.py build_parser, "workload" group); a test keeps the
-# two in step, since bench.py's parser also carries engine knobs that mean nothing over HTTP.
-WORKLOAD_FLAGS: list[tuple[str, dict]] = [
-    ("--prompt", {"default": "Hello"}),
-    ("--unique-prompts", {"action": "store_true", "help": "append ' #i' to each prompt text"}),
-    ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
-    ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
-    ("--num-requests", {"type": int, "default": 32}),
-    ("--max-new-tokens", {"type": int, "default": 16}),
-    ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (sends ignore_eos)"}),
-    ("--long-every", {"type": int, "default": None, "help": "request i wants --long-max-new-tokens if i %% N == 0"}),
-    ("--long-max-new-tokens", {"type": int, "default": None, "help": "default 10x --max-new-tokens"}),
-    ("--shared-prefix-len", {"type": int, "default": None, "help": "random token prefix shared by all prompts"}),
-    ("--repeat-prompts", {"type": int, "default": None, "help": "each distinct prompt sent K times in a row"}),
-    ("--long-prompts", {"type": int, "default": None,
-                        "help": "K late requests after the others, each --long-prompt-len random token ids"}),
-    ("--long-prompt-len", {"type": int, "default": 2000, "help": "tokens in each late long prompt"}),
-    ("--long-prompt-interval-ms", {"type": float, "default": 2000.0,
-                                   "help": "the first late long prompt is sent after T ms, then one every T ms"}),
+# The benches' workload flags, so a workload replays over HTTP exactly as in-process; the seed
+# here also seeds Poisson arrivals.
+WORKLOAD_FLAGS: list[tuple[str, dict]] = bench.WORKLOAD_FLAGS + [
     ("--seed", {"type": int, "default": 0, "help": "workload RNG (and Poisson arrivals)"}),
 ]
 

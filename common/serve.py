@@ -333,6 +333,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
 
     from common import stages as registry
     from common.bench import accepted, engine_knobs
+    from common.streaming_bench import manager_knobs
     from common.cli import resolve_stage
     from common.loader import load_model
 
@@ -344,15 +345,14 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
     engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
-    wanted = {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
-              "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
-              "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
-    manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, wanted))
+    manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, manager_knobs(args)))
     return manager, registry.short_name(package)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
+    from common.bench import add_engine_knob_args
+    from common.streaming_bench import add_manager_args
 
     p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
@@ -363,21 +363,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
     g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
-    g.add_argument("--max-batch-size", type=int, default=8)
-    g.add_argument("--prefill-max-batch-size", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--prefix-cache-max-entries", type=int, default=None)
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
-    g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
-    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker)")
-    g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
-                   help="idle worker: wait up to this long for the rest of a burst before prefilling (0: off)")
-    g.add_argument("--queue-quiet-ms", type=float, default=5.0,
-                   help="with --max-queue-delay-ms: admit once no request has arrived for this long")
+    add_engine_knob_args(g)
+    add_manager_args(g)
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 

@@ -28,15 +28,28 @@ def add_streaming_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pretok", action="store_true", help="submit prompt_token_ids (tokenize before submitting)")
     g.add_argument("--pretok-base-token-ids", action="store_true",
                    help="with --pretok: tokenize the prompt before --unique-prompts' suffix (same ids, different text)")
+    add_manager_args(g)
+    g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
+    g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
+    g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
+
+
+def add_manager_args(g: argparse._ArgumentGroup) -> None:
+    """The SchedulerManager's own knobs as flags (the benches and `stagewise serve`); see `manager_knobs`."""
     g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker tokenizes)")
     g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
     g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
                    help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")
     g.add_argument("--queue-quiet-ms", type=float, default=5.0,
                    help="with --max-queue-delay-ms: admit once no request has arrived for this long")
-    g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
-    g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
-    g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
+
+
+def manager_knobs(args: argparse.Namespace) -> dict:
+    """SchedulerManager keyword arguments from the flags; pass them through `accepted`, since
+    earlier stages' managers take fewer."""
+    return {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
+            "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
+            "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
 
 
 def _sleep_until(deadline: float) -> None:
@@ -175,11 +188,7 @@ def _check_stamps_and_streams(completions: list, streamed: list, called: list, r
 
 def make_manager(spec: EngineSpec, args: argparse.Namespace) -> Any:
     cls = spec.module.SchedulerManager
-    wanted = {"max_batch_size": args.max_batch_size, "record_token_timestamps": True,
-              "stream_interval": args.stream_interval, "tokenize_workers": args.tokenize_workers,
-              "prefill_max_batch_size": args.prefill_max_batch_size,
-              "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
-    return cls(spec.engine, **accepted(cls, wanted))
+    return cls(spec.engine, **accepted(cls, {**manager_knobs(args), "record_token_timestamps": True}))
 
 
 def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argparse.Namespace,
