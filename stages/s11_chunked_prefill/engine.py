@@ -245,8 +245,8 @@ class InferenceEngine:
         session.reserved = need
         session.attach_blocks(hits)  # pinned now: nothing this burst allocates can evict them
 
-    def step_sessions(self, decode: list[InferenceSession], prefilling: list[InferenceSession],
-                      budget: int | None = None) -> tuple[torch.Tensor, list[InferenceSession]]:
+    def step_sessions(self, decode: list[InferenceSession],
+                      prefilling: list[InferenceSession]) -> tuple[torch.Tensor, list[InferenceSession]]:
         """One forward for one scheduler step; returns logits [B + M, V] and the M sessions whose prompt it finished.
 
         The budget (`max_num_batched_tokens`) pays for one token per decode session first, then
@@ -258,7 +258,7 @@ class InferenceEngine:
         sessions', then one per finished prompt (its last token's).
         """
         bs = self.pool.block_size
-        budget = (self.max_num_batched_tokens if budget is None else budget) - len(decode)
+        budget = self.max_num_batched_tokens - len(decode)
         pending: dict[BlockKey, int] = {}
         chunks: list[tuple[InferenceSession, int]] = []  # (session, first position of its chunk)
         slots: list[torch.Tensor] = []
