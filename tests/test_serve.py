@@ -7,6 +7,7 @@ server runs in a thread of this process so the tests can look at its KV pool; on
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -372,6 +373,30 @@ def test_port_in_use_fails_fast() -> None:
         taken.listen()
         with pytest.raises(OSError):
             bind_socket("127.0.0.1", taken.getsockname()[1])
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    """Every accepted connection sends at once (TCP_NODELAY). asyncio sets it only when the
+    listening socket was made with IPPROTO_TCP; without it, every first token of a stream
+    waited 40 ms for the client's delayed ACK."""
+    sock = bind_socket("127.0.0.1", 0)
+    nodelay: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            conn = transport.get_extra_info("socket")
+            nodelay.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        async with server:
+            reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            await asyncio.wait_for(reader.read(), timeout=10)  # the probe closes it
+            writer.close()
+
+    asyncio.run(accept_one())
+    assert nodelay and nodelay[0] != 0
 
 
 # ----------------------------------------------------------------------------- serve-overhead
