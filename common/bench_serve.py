@@ -41,6 +41,9 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = bench.WORKLOAD_FLAGS + [
 ]
 
 
+RUN_DONE = "=== run done ==="  # printed after each run with --step-stdin
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise bench-serve",
                                 description="Benchmark an OpenAI-compatible server with a stagewise workload.")
@@ -64,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeat-runs", type=int, default=3)
     g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
     g.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    g.add_argument("--step-stdin", action="store_true",
+                   help="wait for a line on stdin before each run and print '%s' after it, so another "
+                        "process can run its own between ours (serve-overhead)" % RUN_DONE)
     return p
 
 
@@ -289,13 +295,21 @@ def main(argv: list[str] | None = None) -> int:
     info = server_info(target)
     pool = ConnectionPool(target, args.request_timeout_s)
     runs = []
+
+    def one_run(title: str) -> dict:
+        if args.step_stdin and not sys.stdin.readline():
+            raise SystemExit("bench-serve: stdin closed before the last run")
+        print(title, flush=True)
+        summary = run_once(target, pool, workers, args.model, requests, args)[0]
+        if args.step_stdin:
+            print(RUN_DONE, flush=True)
+        return summary
+
     with ThreadPoolExecutor(args.max_concurrency or len(requests), thread_name_prefix="bench-serve") as workers:
         for w in range(args.warmup_runs):
-            print(f"=== warmup {w + 1}/{args.warmup_runs} ===", flush=True)
-            run_once(target, pool, workers, args.model, requests, args)
+            one_run(f"=== warmup {w + 1}/{args.warmup_runs} ===")
         for r in range(args.repeat_runs):
-            print(f"=== run {r + 1}/{args.repeat_runs} ===", flush=True)
-            runs.append(run_once(target, pool, workers, args.model, requests, args)[0])
+            runs.append(one_run(f"=== run {r + 1}/{args.repeat_runs} ==="))
     pool.close()
     result = {"engine": "http", "mode": "http-streaming", **median_summary(runs), "runs": runs}
     print(format_report(result, header(args, target), runs=runs, title="streaming benchmark (HTTP)"), flush=True)

@@ -1,28 +1,32 @@
-"""What HTTP costs: one workload through `stagewise serve` + `bench-serve`, and in-process.
+"""What HTTP costs: one workload through `stagewise serve` + `bench-serve`, and in-process, paired.
 
     stagewise serve-overhead --stage 9 --model smollm2-135m --json docs/results/serve.cpu.json
 
-Three fresh processes, one after the other, on one machine: (1) the stage's own streaming
-benchmark (`stagewise bench`, the SchedulerManager in-process); (2) `stagewise serve` with the
-same engine knobs; (3) `stagewise bench-serve` against it, same workload, same warmups and
-repeats. The JSON keeps both results whole, the env of this run, and the two figures the docs
-quote: the completion-throughput loss and the TTFT p50 added by HTTP. The client shares the
-machine with the server, as a benchmark client on the same box does.
+One process holds the stage's engine and SchedulerManager and serves it over HTTP (the server
+`stagewise serve` runs, in a thread). `bench-serve` runs in a second process as the HTTP client.
+The two sides take turns on the SAME manager: a run in-process (`add_request` from this
+process, a consumer thread per request), then a run over HTTP, then the other order, and so
+on. Why paired: this machine's speed drifts by 20 % and more from minute to minute, a burst's
+TTFT is most of a second of prefill, and the target is 5 ms; two runs seconds apart on one
+engine see the same machine, so their difference is HTTP's, and the median over pairs is the
+figure. The JSON keeps both sides whole, every pair, and the env of the run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.request
 from pathlib import Path
+from typing import Any
 
 from common.bench import write_json
 from common.envinfo import REPO_ROOT, collect_env
@@ -42,155 +46,227 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--prefill-max-batch-size", type=int, default=64)
-    # On for both sides: an idle worker waits for the rest of a burst, so neither side splits it and
-    # the difference is what HTTP costs. The quiet window is well above the arrival gaps seen over
-    # HTTP on a shared 2-core CPU (13 ms, and more when another job runs); it costs nothing here,
-    # because the burst fills the batch (--num-requests = --max-batch-size), which ends the wait.
-    p.add_argument("--max-queue-delay-ms", type=float, default=200.0, help="both sides; 0: off")
-    p.add_argument("--queue-quiet-ms", type=float, default=50.0, help="both sides")
-    p.add_argument("--warmup-runs", type=int, default=1)
-    p.add_argument("--repeat-runs", type=int, default=3)
+    # An idle worker waits for the rest of a burst, so neither side splits it and the difference is
+    # what HTTP costs. The quiet window is well above the arrival gaps seen over HTTP on a shared
+    # 2-core CPU; it costs nothing here, because the burst fills the batch (--num-requests =
+    # --max-batch-size), which ends the wait.
+    p.add_argument("--max-queue-delay-ms", type=float, default=200.0, help="0: off")
+    p.add_argument("--queue-quiet-ms", type=float, default=50.0)
+    p.add_argument("--warmup-runs", type=int, default=1, help="per side")
+    p.add_argument("--repeat-runs", type=int, default=3, help="pairs of runs (one per side)")
     p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="per side")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     return p
 
 
 def _workload_flags(a: argparse.Namespace) -> list[str]:
     """The workload both sides run: a burst of distinct prompts, fixed length (EOS ignored)."""
     return ["--model", a.model, "--prompt", a.prompt, "--unique-prompts", "--num-requests", str(a.num_requests),
-            "--max-new-tokens", str(a.max_new_tokens), "--no-stop-on-eos",
-            "--warmup-runs", str(a.warmup_runs), "--repeat-runs", str(a.repeat_runs)]
+            "--max-new-tokens", str(a.max_new_tokens), "--no-stop-on-eos"]
 
 
 def _engine_flags(a: argparse.Namespace) -> list[str]:
-    """Identical engine knobs on both sides; the prefix cache off, so every run does the same work."""
+    """The server's knobs (both sides use its manager); the prefix cache off, so every run does the same work."""
     flags = ["--device", a.device, "--max-batch-size", str(a.max_batch_size),
              "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1",
              "--max-queue-delay-ms", str(a.max_queue_delay_ms), "--queue-quiet-ms", str(a.queue_quiet_ms)]
     return flags + (["--dtype", a.dtype] if a.dtype else [])
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "common.cli", *args]
+class Server:
+    """The stage's manager behind `stagewise serve`'s app, in a thread of this process."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        from common import serve
+        p = argparse.ArgumentParser()
+        serve.add_serve_args(p)
+        args = p.parse_args(["--stage", a.stage, "--model", a.model, *_engine_flags(a)])
+        self.manager, self.stage = serve.build_manager(args)
+        self.manager.record_token_timestamps = True  # TPOT, ITL, latency of the in-process runs (HTTP's come from its client)
+        self.handles: list[Any] = []  # every request the manager took since the last take_completions()
+        add_request = self.manager.add_request
+
+        def recording_add_request(*args: Any, **kwargs: Any) -> Any:
+            handle = add_request(*args, **kwargs)
+            self.handles.append(handle)
+            return handle
+
+        self.manager.add_request = recording_add_request
+        self.state = serve.ServeState(self.manager, a.model, self.stage)
+        sock = serve.bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = serve.make_server(self.state, sock)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("serve-overhead: the server did not start")
+            time.sleep(0.02)
+        gc.collect()
+        gc.freeze()  # as `stagewise serve` does after start-up
+
+    def take_completions(self, timeout_s: float) -> list[Any]:
+        """The server-side Completions (engine timings included) of the requests since the last call."""
+        handles, self.handles = self.handles, []
+        return [h.result(timeout=timeout_s) for h in handles]
+
+    def stop(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)  # ends the manager too
+        self.thread.join(60)
 
 
-def run_inprocess(a: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "common.serve_overhead", "in-process", "--stage", a.stage,
-           *_workload_flags(a), *_engine_flags(a), "--json", str(out)]
-    print("$", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, cwd=REPO_ROOT, check=True, timeout=a.timeout_s)
-    return json.loads(out.read_text())
+class StepClient:
+    """`bench-serve --step-stdin` in its own process: one run each time we ask for one."""
 
-
-def in_process_main(argv: list[str]) -> int:
-    """The in-process side: the stage's streaming benchmark with the benches' flags, but NOT the
-    stage's BENCH defaults (pretok, long requests, ...), so both sides run exactly these flags."""
-    import torch
-
-    from common import bench, streaming_bench
-    from common.cli import resolve_stage
-    from common.loader import load_model
-    from common.report import format_report
-
-    stage, rest = None, list(argv)
-    if rest[:1] == ["--stage"]:
-        stage, rest = rest[1], rest[2:]
-    package = resolve_stage(stage)
-    args = bench.build_parser("stagewise serve-overhead in-process").parse_args(rest)
-    bench.check_args(args)
-    torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = bench.workload_from_args(loaded.tokenizer, args)
-    spec = bench.stage_spec(package, args, loaded, notes := [])
-    correctness = streaming_bench.run_streaming_engines([spec], requests, args)
-    result = bench.engine_result(spec, "streaming")
-    print(format_report(result, streaming_bench.streaming_header(args, loaded, spec), runs=result["runs"]), flush=True)
-    bench.write_json(args.json, {"stage": spec.name, "model": loaded.name, "device": str(loaded.device),
-                                 "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(args),
-                                 "env": collect_env(loaded.device), **result, "correctness": correctness,
-                                 "notes": notes})
-    return 0
-
-
-def start_server(a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`stagewise serve --port 0` in a fresh process; returns it and its base URL once healthy."""
-    cmd = _cli("serve", "--stage", a.stage, "--port", "0", "--host", "127.0.0.1", *_engine_flags(a), "--model", a.model)
-    print("$", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    match = re.search(r"http://[\d.]+:\d+", line)
-    if not match:
-        proc.kill()
-        raise RuntimeError(f"serve did not start: {line!r}")
-    url = match.group(0)
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("serve never became healthy")
-
-
-def run_http(a: argparse.Namespace, out: Path) -> dict:
-    proc, url = start_server(a)
-    try:
-        cmd = _cli("bench-serve", "--base-url", url, *_workload_flags(a), "--json", str(out))
+    def __init__(self, a: argparse.Namespace, url: str, out: Path) -> None:
+        from common.bench_serve import RUN_DONE
+        self.done, self.out = RUN_DONE, out
+        cmd = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", url, *_workload_flags(a),
+               "--warmup-runs", str(a.warmup_runs), "--repeat-runs", str(a.repeat_runs), "--step-stdin",
+               "--json", str(out)]
         print("$", " ".join(cmd[2:]), flush=True)
-        subprocess.run(cmd, cwd=REPO_ROOT, check=True, timeout=a.timeout_s)
-    finally:
-        proc.send_signal(signal.SIGTERM)  # a graceful stop, as Ctrl-C
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return json.loads(out.read_text())
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.strip() == self.done:
+                return
+            print("  [http] " + line.rstrip(), flush=True)
+        raise RuntimeError(f"bench-serve ended before its run was done (exit {self.proc.wait()})")
+
+    def finish(self, timeout_s: float) -> dict:
+        out, _ = self.proc.communicate(timeout=timeout_s)  # its report and the JSON
+        print("\n".join("  [http] " + line for line in (out or "").splitlines()), flush=True)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"bench-serve failed (exit {self.proc.returncode})")
+        return json.loads(self.out.read_text())
 
 
-def overhead(http: dict, local: dict) -> dict:
+def overhead(http: dict, local: dict, pairs: list[dict] | None = None) -> dict:
     """HTTP's cost, positive = HTTP is worse; and whether it stays inside the issue's targets.
 
     TTFT like for like: an HTTP client stamps the first token when it reads it, so the
     in-process side is read where its consumer thread gets the token (`ttft_received_ms`), not
-    where the worker sampled it (`ttft_ms`, kept as `ttft_p50_ms.in_process_sampled`). Results
-    from before that stamp existed fall back to `ttft_ms`.
+    where the worker sampled it (`ttft_ms`, kept as `ttft_p50_ms.in_process_sampled`). With
+    `pairs` (one HTTP run and one in-process run back to back), the figures are the medians of
+    the per-pair figures (see `pair`); the sides' own medians are kept beside them.
     """
     tput_http, tput_local = http["throughput_tok_s"]["completion"], local["throughput_tok_s"]["completion"]
-    loss = 100.0 * (1.0 - tput_http / tput_local) if tput_local else float("nan")
     local_ttft = (local.get("ttft_received_ms") or local["ttft_ms"])["p50"]
-    added = http["ttft_ms"]["p50"] - local_ttft
+    if pairs:
+        loss = statistics.median(p["throughput_loss_pct"] for p in pairs)
+        added = statistics.median(p["ttft_p50_added_ms"] for p in pairs)
+    else:
+        loss = 100.0 * (1.0 - tput_http / tput_local) if tput_local else float("nan")
+        added = http["ttft_ms"]["p50"] - local_ttft
     return {"throughput_loss_pct": loss, "ttft_p50_added_ms": added,
             "throughput_completion_tok_s": {"http": tput_http, "in_process": tput_local},
             "ttft_p50_ms": {"http": http["ttft_ms"]["p50"], "in_process": local_ttft,
                             "in_process_sampled": local["ttft_ms"]["p50"]},
+            "pairs": pairs or [], "method": "paired runs, median of differences" if pairs else "medians per side",
             "targets": TARGETS, "within_targets": loss <= TARGETS["throughput_loss_pct"]
             and added <= TARGETS["ttft_p50_added_ms"]}
 
 
+def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict:
+    """One pair's figures. TTFT: what each side adds to the engine's own prefill.
+
+    A burst's TTFT is the wait for admission + the batched prefill + the way back to the client.
+    The prefill is the same work on both sides, but it is most of a second here and this machine
+    runs the same prefill 20-50 % slower or faster from one run to the next, even seconds apart;
+    a 5 ms difference cannot be read through that. So each side's TTFT p50 is taken net of its
+    run's prefill (the engine's `prefill_to_first_token_ms` p50, read from the server's own
+    Completions for the HTTP run) and those are compared. `ttft_p50_added_raw_ms` keeps the
+    plain difference.
+    """
+    figures = overhead(http_run, local_run)
+    prefill_http = http_engine["prefill_to_first_token_ms"]["p50"]
+    prefill_local = local_run["prefill_to_first_token_ms"]["p50"]
+    outside = {"http": figures["ttft_p50_ms"]["http"] - prefill_http,
+               "in_process": figures["ttft_p50_ms"]["in_process"] - prefill_local}
+    return {"first": first, "throughput_loss_pct": figures["throughput_loss_pct"],
+            "ttft_p50_added_ms": outside["http"] - outside["in_process"],
+            "ttft_p50_added_raw_ms": figures["ttft_p50_added_ms"],
+            "ttft_p50_ms": figures["ttft_p50_ms"], "prefill_p50_ms": {"http": prefill_http, "in_process": prefill_local},
+            "ttft_p50_outside_prefill_ms": outside,
+            "queue_wait_p50_ms": {"http": http_engine["queue_wait_ms"]["p50"], "in_process": local_run["queue_wait_ms"]["p50"]},
+            "throughput_completion_tok_s": figures["throughput_completion_tok_s"]}
+
+
+def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict], dict]:
+    """Warm both sides, then `repeat_runs` pairs, alternating which side goes first."""
+    from common import bench
+    from common.metrics import median_summary, summarize
+    from common.streaming_bench import run_streaming_once
+
+    server = Server(a)
+    try:
+        wargs = bench.build_parser("serve-overhead").parse_args(_workload_flags(a))
+        requests = bench.workload_from_args(server.manager.engine.tokenizer, wargs)
+        client = StepClient(a, server.url, tmp / "http.json")
+
+        def local_run() -> dict:
+            summary = run_streaming_once(server.manager, requests, timeout_s=a.timeout_s)[0]
+            server.take_completions(a.timeout_s)
+            return summary
+
+        def http_run() -> dict:
+            client.run()
+            return summarize(server.take_completions(a.timeout_s))  # the server's view: engine timings
+
+        for w in range(a.warmup_runs):
+            print(f"=== warmup {w + 1}/{a.warmup_runs}: in-process, then HTTP ===", flush=True)
+            local_run()
+            http_run()
+        local_runs: list[dict] = []
+        http_engine: list[dict] = []
+        order: list[str] = []
+        for r in range(a.repeat_runs):
+            first = "in-process" if r % 2 == 0 else "http"
+            print(f"=== pair {r + 1}/{a.repeat_runs}: {first} first ===", flush=True)
+            if first == "http":
+                http_engine.append(http_run())
+            local_runs.append(local_run())
+            if first == "in-process":
+                http_engine.append(http_run())
+            order.append(first)
+        http = client.finish(a.timeout_s)
+    finally:
+        server.stop()
+    pairs = [pair(h, e, l, f) for h, e, l, f in zip(http["runs"], http_engine, local_runs, order)]
+    local = {"engine": "in-process", "mode": "streaming", **median_summary(local_runs), "runs": local_runs}
+    engine = server.manager.engine
+    meta = {"stage": server.stage, "model": a.model, "device": str(engine.device),
+            "dtype": str(engine.model.lm_head_weight.dtype).replace("torch.", "")}
+    return {**http, "engine": "http"}, local, pairs, meta
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["in-process"]:
-        return in_process_main(argv[1:])
     a = build_parser().parse_args(argv)
+    if a.repeat_runs < 1 or a.warmup_runs < 0:
+        raise SystemExit("serve-overhead: --repeat-runs must be >= 1 and --warmup-runs >= 0")
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-overhead-") as tmp:
-        local = run_inprocess(a, Path(tmp) / "in_process.json")
-        http = run_http(a, Path(tmp) / "http.json")
-    local_entry = {**{k: local[k] for k in local if k not in ("compare", "ratios", "env")}, "engine": "in-process"}
-    http_entry = {**{k: http[k] for k in http if k != "env"}, "engine": "http"}
-    print(format_comparison([http_entry, local_entry]), flush=True)
-    figures = overhead(http_entry, local_entry)
-    print(f"HTTP cost: completion throughput {figures['throughput_loss_pct']:+.1f}% lost "
-          f"(target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
+        http, local, pairs, meta = run_paired(a, Path(tmp))
+    http_entry = {k: v for k, v in http.items() if k != "env"}
+    print(format_comparison([http_entry, local]), flush=True)
+    figures = overhead(http_entry, local, pairs)
+    for p in pairs:
+        print(f"pair ({p['first']} first): TTFT p50 net of prefill {p['ttft_p50_added_ms']:+.2f} ms "
+              f"(raw {p['ttft_p50_added_raw_ms']:+.2f} ms), throughput {p['throughput_loss_pct']:+.1f}% lost", flush=True)
+    print(f"HTTP cost (median of {len(pairs)} pairs): completion throughput {figures['throughput_loss_pct']:+.1f}% "
+          f"lost (target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
           f"(target <= {TARGETS['ttft_p50_added_ms']:g} ms)", flush=True)
     if a.json:  # shaped like a bench JSON: the HTTP side on top, the in-process side under `compare`
-        http_side = {k: v for k, v in http_entry.items() if k not in ("config", "model")}
         write_json(a.json, {"kind": "serve-overhead", "command": shlex.join(["stagewise", "serve-overhead", *argv]),
-                            "stage": local.get("stage"), "model": local.get("model"), "device": local.get("device"),
-                            "dtype": local.get("dtype"), "config": vars(a), "env": collect_env(local.get("device")),
-                            "cpu_affinity": _affinity(), "overhead": figures, **http_side,
-                            "bench_serve_config": http_entry.get("config"), "compare": [local_entry]})
+                            **meta, "config": vars(a), "env": collect_env(meta["device"]),
+                            "cpu_affinity": _affinity(), "overhead": figures,
+                            **{k: v for k, v in http_entry.items() if k not in ("config", "model")},
+                            "bench_serve_config": http_entry.get("config"), "compare": [local]})
     return 0
 
 

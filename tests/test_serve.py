@@ -402,26 +402,27 @@ def test_accepted_connections_have_nagle_off() -> None:
 # ----------------------------------------------------------------------------- serve-overhead
 
 def test_serve_overhead_sides_take_the_same_flags() -> None:
-    """The three processes must accept what serve-overhead hands them, so the sides cannot drift."""
+    """Both sides run one workload (bench's and bench-serve's parsers read the same flags) on the
+    server's manager, built from the knobs `stagewise serve` takes."""
     import argparse
 
     from common import bench, bench_serve, serve, serve_overhead
     a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
     workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
-    local = bench.build_parser("bench").parse_args(workload + knobs)
+    local = bench.build_parser("bench").parse_args(workload)
     remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
     server = argparse.ArgumentParser()
     serve.add_serve_args(server)
     served = server.parse_args(knobs + ["--model", "tiny"])
     for name in ("num_requests", "max_new_tokens", "prompt", "unique_prompts", "no_stop_on_eos", "seed"):
         assert getattr(local, name) == getattr(remote, name), name
-    for name in ("max_batch_size", "prefill_max_batch_size", "no_prefix_cache", "stream_interval", "dtype"):
-        assert getattr(local, name) == getattr(served, name), name
-    assert local.no_prefix_cache and local.stream_interval == 1 and not local.pretok
+    assert served.no_prefix_cache and served.stream_interval == 1 and served.dtype == "float32"
+    assert served.max_batch_size == served.prefill_max_batch_size == a.num_requests  # one burst, one prefill
+    assert not local.pretok
 
 
 def test_serve_overhead_figures() -> None:
-    from common.serve_overhead import overhead
+    from common.serve_overhead import overhead, pair
     http = {"throughput_tok_s": {"completion": 90.0}, "ttft_ms": {"p50": 14.0}}
     local = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 10.0}}
     got = overhead(http, local)
@@ -432,6 +433,39 @@ def test_serve_overhead_figures() -> None:
     received = overhead(http, {**local, "ttft_received_ms": {"p50": 12.0}})
     assert received["ttft_p50_added_ms"] == pytest.approx(2.0)
     assert received["ttft_p50_ms"] == {"http": 14.0, "in_process": 12.0, "in_process_sampled": 10.0}
+    # A pair is judged net of each run's own prefill: here HTTP's prefill ran 100 ms slower.
+    http_run = {"throughput_tok_s": {"completion": 95.0}, "ttft_ms": {"p50": 620.0}}
+    local_run = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 510.0},
+                 "ttft_received_ms": {"p50": 512.0}, "prefill_to_first_token_ms": {"p50": 500.0},
+                 "queue_wait_ms": {"p50": 6.0}}
+    http_engine = {"prefill_to_first_token_ms": {"p50": 600.0}, "queue_wait_ms": {"p50": 9.0}}
+    p = pair(http_run, http_engine, local_run, "http")
+    assert p["ttft_p50_added_ms"] == pytest.approx(8.0) and p["ttft_p50_added_raw_ms"] == pytest.approx(108.0)
+    assert p["throughput_loss_pct"] == pytest.approx(5.0)
+    pairs = [p, {**p, "ttft_p50_added_ms": 2.0, "throughput_loss_pct": 1.0},
+             {**p, "ttft_p50_added_ms": 3.0, "throughput_loss_pct": 20.0}]
+    both = overhead(http_run, local_run, pairs)
+    assert both["ttft_p50_added_ms"] == pytest.approx(3.0) and both["throughput_loss_pct"] == pytest.approx(5.0)
+    assert both["within_targets"] and both["pairs"] == pairs
+
+
+def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
+    """End to end: the server thread, bench-serve stepping through stdin, the JSON."""
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "serve-overhead", "--model", "tiny", "--device", "cpu",
+                           "--dtype", "float32", "--num-requests", "4", "--max-batch-size", "4",
+                           "--prefill-max-batch-size", "4", "--max-new-tokens", "3", "--warmup-runs", "1",
+                           "--repeat-runs", "2", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    figures = result["overhead"]
+    assert [p["first"] for p in figures["pairs"]] == ["in-process", "http"]
+    assert len(result["runs"]) == 2 and len(result["compare"][0]["runs"]) == 2
+    for p in figures["pairs"]:
+        assert p["prefill_p50_ms"]["http"] > 0 and p["prefill_p50_ms"]["in_process"] > 0
+    assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
+    assert result["env"]["git_commit"] and result["dtype"] == "float32"
 
 
 def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
