@@ -4,7 +4,8 @@
 
 The same workloads as the benches (common/workloads.py) and the same report (common/report.py),
 measured where a client stands: each request is one streaming POST (`stream: true`,
-`stream_options.include_usage`) on a keep-alive connection, in its own thread, sent on a schedule (a burst, or
+`stream_options.include_usage`) on a keep-alive connection, all of them on one asyncio event loop,
+sent on a schedule (a burst, or
 `--request-rate` per second, fixed or Poisson, optionally capped by `--max-concurrency`).
 Only the standard library speaks HTTP here, so nothing ties it to stagewise: point it at vLLM or
 SGLang on a GPU and compare the same report.
@@ -17,22 +18,20 @@ chunk for stagewise (`--stream-interval 1`), vLLM and SGLang.
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import json
 import random
 import sys
-import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+import urllib.request
+from typing import Any, AsyncIterator
 
 from common import bench
 from common.bench import describe_workload, workload_from_args, write_json
 from common.metrics import median_summary, percentiles, summarize
 from common.report import format_report
 from common.requests import Completion, Request
-from common.streaming_bench import _sleep_until
 
 # The benches' workload flags, so a workload replays over HTTP exactly as in-process; the seed
 # here also seeds Poisson arrivals.
@@ -80,7 +79,8 @@ class Target:
         url = urllib.parse.urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
             raise SystemExit(f"--base-url: expected http(s)://host[:port], got {base_url!r}")
-        self.https, self.host, self.port = url.scheme == "https", url.hostname, url.port
+        self.https, self.host = url.scheme == "https", url.hostname
+        self.port = url.port or (443 if self.https else 80)
         prefix = url.path if url.path.endswith("/v1") else url.path + "/v1"
         self.chat = endpoint == "chat"
         self.path = prefix + ("/chat/completions" if self.chat else "/completions")
@@ -89,9 +89,11 @@ class Target:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
-    def connect(self, timeout: float) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        return cls(self.host, self.port, timeout=timeout)
+    def request_bytes(self, method: str, path: str, body: bytes = b"") -> bytes:
+        """One HTTP/1.1 request, headers and body in one write (one segment, no Nagle wait)."""
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}",
+                 *(f"{k}: {v}" for k, v in self.headers.items())]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 def request_body(target: Target, model: str, request: Request) -> bytes:
@@ -107,77 +109,114 @@ def request_body(target: Target, model: str, request: Request) -> bytes:
     return json.dumps(body).encode()
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection, read with asyncio streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, target: Target) -> "Connection":
+        return cls(*await asyncio.open_connection(target.host, target.port, ssl=True if target.https else None))
+
+    async def response_head(self) -> tuple[int, dict[str, str]]:
+        """Status code and headers (lower-case names); ConnectionError if the server closed it."""
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError("connection closed by the server")
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers
+
+    async def body_pieces(self, headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """The body as it arrives: chunked, by Content-Length, or up to the close."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int((await self.reader.readline()).split(b";")[0], 16):
+                yield await self.reader.readexactly(size)
+                await self.reader.readexactly(2)  # the chunk's CRLF
+            while (await self.reader.readline()) not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+        elif "content-length" in headers:
+            yield await self.reader.readexactly(int(headers["content-length"]))
+        else:
+            while piece := await self.reader.read(65536):
+                yield piece
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class ConnectionPool:
     """Keep-alive connections, reused across requests as an SDK's pool reuses them: a TCP
     handshake is the network's cost, not the server's TTFT. The warmup run opens them."""
 
-    def __init__(self, target: Target, timeout: float) -> None:
-        self.target, self.timeout = target, timeout
-        self._idle: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self._idle: list[Connection] = []
 
-    def get(self) -> tuple[http.client.HTTPConnection, bool]:
+    async def get(self) -> tuple[Connection, bool]:
         """A connection, and whether it was reused (a reused one may have been closed meanwhile)."""
-        with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
-        return self.target.connect(self.timeout), False
+        if self._idle:
+            return self._idle.pop(), True
+        return await Connection.open(self.target), False
 
-    def put(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            self._idle.append(conn)
+    def put(self, conn: Connection) -> None:
+        self._idle.append(conn)
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
+        idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
 
 
-def stream_one(target: Target, pool: ConnectionPool, body: bytes) -> Completion:
+async def stream_one(target: Target, pool: ConnectionPool, body: bytes) -> Completion:
     """POST one request and read its SSE stream, stamping each chunk that carries text."""
-    conn, reused = pool.get()
+    conn, reused = await pool.get()
+    payload = target.request_bytes("POST", target.path, body)
     try:
         submitted = time.perf_counter()
+        conn.writer.write(payload)
         try:
-            conn.request("POST", target.path, body=body, headers=target.headers)
-            resp = conn.getresponse()
-        except (ConnectionError, http.client.RemoteDisconnected):
+            status, headers = await conn.response_head()
+        except (ConnectionError, ValueError, IndexError):
             if not reused:
                 raise
             conn.close()  # the server closed an idle keep-alive connection: one fresh try
-            conn, reused = pool.target.connect(pool.timeout), False
+            conn, reused = await Connection.open(target), False
             submitted = time.perf_counter()
-            conn.request("POST", target.path, body=body, headers=target.headers)
-            resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500].decode(errors='replace')}")
+            conn.writer.write(payload)
+            status, headers = await conn.response_head()
+        if status != 200:
+            raw = b"".join([piece async for piece in conn.body_pieces(headers)])
+            raise RuntimeError(f"HTTP {status}: {raw[:500].decode(errors='replace')}")
         stamps: list[float] = []
         texts: list[str] = []
         use: dict = {}
         finish = None
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            if not line.startswith(b"data:"):
-                continue
-            now = time.perf_counter()
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"error event: {event['error']}")
-            use = event.get("usage") or use
-            for c in event.get("choices") or []:
-                text = (c.get("delta") or {}).get("content") if target.chat else c.get("text")
-                if text:
-                    stamps.append(now)
-                    texts.append(text)
-                finish = c.get("finish_reason") or finish
-        resp.read()  # the end of the chunked body, so the connection can carry the next request
-        if resp.will_close:
+        pending = b""
+        async for piece in conn.body_pieces(headers):
+            now = time.perf_counter()  # every event in this piece arrived now
+            *lines, pending = (pending + piece).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(f"error event: {event['error']}")
+                use = event.get("usage") or use
+                for c in event.get("choices") or []:
+                    text = (c.get("delta") or {}).get("content") if target.chat else c.get("text")
+                    if text:
+                        stamps.append(now)
+                        texts.append(text)
+                    finish = c.get("finish_reason") or finish
+        if headers.get("connection", "").lower() == "close":
             conn.close()
         else:
             pool.put(conn)
@@ -203,12 +242,13 @@ def arrival_offsets(n: int, rate: float, arrivals: str, seed: int) -> list[float
     return out
 
 
-def run_once(target: Target, pool: ConnectionPool, workers: ThreadPoolExecutor, model: str,
-             requests: list[Request], args: argparse.Namespace) -> tuple[dict, list]:
+async def run_once(target: Target, pool: ConnectionPool, model: str, requests: list[Request],
+                   args: argparse.Namespace) -> tuple[dict, list]:
     """Send every request on the schedule, wait for all streams, summarize as the benches do.
 
-    The threads (one per request in flight) and connections outlive a run, so a burst is not
-    slowed by starting 64 threads and 64 TCP handshakes."""
+    One thread and one event loop carry every stream, as vLLM's and SGLang's benchmark clients
+    do: with a thread per stream, 64 threads woken at once by their first tokens queue for the
+    GIL and the client's own parsing shows up in TTFT. Connections outlive a run."""
     n = len(requests)
     bodies = [request_body(target, model, r) for r in requests]
     # The requests without a planned arrival on the --request-rate schedule; the late ones
@@ -217,32 +257,35 @@ def run_once(target: Target, pool: ConnectionPool, workers: ThreadPoolExecutor, 
     offsets = [r.submit_offset_s or 0.0 for r in requests]
     for i, at in zip(plain, arrival_offsets(len(plain), args.request_rate, args.arrivals, args.seed)):
         offsets[i] = at
-    slots = threading.BoundedSemaphore(args.max_concurrency) if args.max_concurrency else None
+    slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     planned, called = [0.0] * n, [0.0] * n
 
-    def work(i: int) -> Completion:
+    async def work(i: int) -> Completion:
         try:
-            return stream_one(target, pool, bodies[i])
+            return await stream_one(target, pool, bodies[i])
         finally:
             if slots is not None:
                 slots.release()
 
-    futures: list[Any] = [None] * n  # by request index, whatever the order they were sent in
+    tasks: list[Any] = [None] * n  # by request index, whatever the order they were sent in
     t0 = time.perf_counter()
     for i in sorted(range(n), key=lambda i: offsets[i]):
         planned[i] = t0 + offsets[i]
-        _sleep_until(planned[i])
+        if (delay := planned[i] - time.perf_counter()) > 0:
+            await asyncio.sleep(delay)
         if slots is not None:
-            slots.acquire()
+            await slots.acquire()
         called[i] = time.perf_counter()
-        futures[i] = workers.submit(work, i)
-    done, pending = wait(futures, timeout=args.request_timeout_s)
-    failed = [(i, f.exception() if f in done else "timed out") for i, f in enumerate(futures)
-              if f in pending or f.exception() is not None]
+        tasks[i] = asyncio.ensure_future(work(i))
+    done, pending = await asyncio.wait(tasks, timeout=args.request_timeout_s)
+    for task in pending:
+        task.cancel()
+    failed = [(i, t.exception() if t in done else "timed out") for i, t in enumerate(tasks)
+              if t in pending or t.exception() is not None]
     if failed:
         i, err = failed[0]
         raise RuntimeError(f"{len(failed)} of {n} requests failed or timed out; first: request {i}: {err!r}")
-    results = [f.result() for f in futures]
+    results = [t.result() for t in tasks]
     starts = [c.timings["submitted"] for c in results]
     ends = [c.token_timestamps[-1] for c in results if c.token_timestamps] or starts
     summary = summarize(results, wall_s=max(1e-9, max(ends) - min(starts)))
@@ -272,15 +315,34 @@ def header(args: argparse.Namespace, target: Target) -> dict:
 
 def server_info(target: Target) -> dict | None:
     """GET /v1/models, kept in the JSON: which server and model answered."""
-    conn = target.connect(10.0)
+    scheme = "https" if target.https else "http"
+    req = urllib.request.Request(f"{scheme}://{target.host}:{target.port}{target.models_path}", headers=target.headers)
     try:
-        conn.request("GET", target.models_path, headers=target.headers)
-        resp = conn.getresponse()
-        return json.loads(resp.read()) if resp.status == 200 else None
-    except (OSError, ValueError, http.client.HTTPException):
+        with urllib.request.urlopen(req, timeout=10.0) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
         return None
+
+
+async def run_all(target: Target, requests: list[Request], args: argparse.Namespace) -> list[dict]:
+    """The warmups, then the measured runs, on one pool of connections."""
+    pool, runs = ConnectionPool(target), []
+    loop = asyncio.get_running_loop()
+    try:
+        for k in range(args.warmup_runs + args.repeat_runs):
+            if args.step_stdin and not await loop.run_in_executor(None, sys.stdin.readline):
+                raise SystemExit("bench-serve: stdin closed before the last run")
+            warm = k < args.warmup_runs
+            print(f"=== warmup {k + 1}/{args.warmup_runs} ===" if warm else
+                  f"=== run {k - args.warmup_runs + 1}/{args.repeat_runs} ===", flush=True)
+            summary = (await run_once(target, pool, args.model, requests, args))[0]
+            if not warm:
+                runs.append(summary)
+            if args.step_stdin:
+                print(RUN_DONE, flush=True)
     finally:
-        conn.close()
+        pool.close()
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,24 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(args.base_url, args.endpoint, args.api_key)
     requests = workload_from_args(_tokenizer(args), args)
     info = server_info(target)
-    pool = ConnectionPool(target, args.request_timeout_s)
-    runs = []
-
-    def one_run(title: str) -> dict:
-        if args.step_stdin and not sys.stdin.readline():
-            raise SystemExit("bench-serve: stdin closed before the last run")
-        print(title, flush=True)
-        summary = run_once(target, pool, workers, args.model, requests, args)[0]
-        if args.step_stdin:
-            print(RUN_DONE, flush=True)
-        return summary
-
-    with ThreadPoolExecutor(args.max_concurrency or len(requests), thread_name_prefix="bench-serve") as workers:
-        for w in range(args.warmup_runs):
-            one_run(f"=== warmup {w + 1}/{args.warmup_runs} ===")
-        for r in range(args.repeat_runs):
-            runs.append(one_run(f"=== run {r + 1}/{args.repeat_runs} ==="))
-    pool.close()
+    runs = asyncio.run(run_all(target, requests, args))
     result = {"engine": "http", "mode": "http-streaming", **median_summary(runs), "runs": runs}
     print(format_report(result, header(args, target), runs=runs, title="streaming benchmark (HTTP)"), flush=True)
     if args.json:

@@ -358,6 +358,14 @@ def test_bench_serve_reports_over_http(live, tmp_path: Path, capsys) -> None:
     assert "git_commit" in data["env"] and "cpu_model" in data["env"]
 
 
+def test_bench_serve_reports_the_servers_error(live) -> None:
+    """A refused request fails the run with the server's status and message, not a parse error."""
+    from common import bench_serve
+    with pytest.raises(RuntimeError, match=r"HTTP 404.*model_not_found"):
+        bench_serve.main(["--base-url", live.url, "--model", "not-this-one", "--num-requests", "2",
+                          "--max-new-tokens", "2", "--warmup-runs", "0", "--repeat-runs", "1"])
+
+
 def test_bench_serve_workload_flags_match_the_benches() -> None:
     from common import bench, bench_serve
     ours = {a.dest: a.default for a in bench_serve.build_parser()._actions}
