@@ -63,7 +63,7 @@ def cmd_ladder(argv: list[str]) -> int:
 
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
 SUBPROGRAMS = {"serve": "common.serve", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
-               "stability": "common.stability"}
+               "stability": "common.stability", "profile-decode": "common.profile_decode"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stability", add_help=False, help="one stage's bench in N fresh processes (common/stability.py)")
     sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve.py)")
     sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/bench_serve.py)")
+    sub.add_parser("profile-decode", add_help=False,
+                   help="one stage's decode forward op by op, against the matmul floor (common/profile_decode.py)")
     sub.add_parser("serve-overhead", add_help=False,
                    help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
     return parser

@@ -1,0 +1,190 @@
+"""Where a decode step goes: one stage's decode step, op by op, against the matmul floor.
+
+    stagewise profile-decode --stage 9 --model smollm2-135m --batch 16 --prompt-len 160 \\
+        --json docs/results/profile.s09_batched_worker_lookups.b16.cpu.json
+
+`x floor` (the benches' decode step over the model's matmuls alone, common/floor.py) says how
+much of a step is overhead; this says which overhead. B requests of random prompt tokens run
+through the stage's offline `generate` (one static batch, EOS ignored). A decode step runs from
+one one-token forward to the next: the forward, sampling and the engine's bookkeeping, as the
+benches' `decode step ms`. The steps are timed without a profiler, then profiled with
+torch.profiler in a second run of the same batch, and every op's own time goes in one group:
+
+- matmul: the projections and the lm_head (`aten::mm`, `aten::addmm`): what the floor times;
+- attention: scaled-dot-product attention itself;
+- kv cache: reading and writing the paged cache (block gathers, index copies; stage 02 writes its
+  contiguous cache with slice copies, which land in "other");
+- other: norms, RoPE, activations, residual adds, views, and everything else.
+
+The floor's own matmuls are profiled the same way, so `matmul_vs_floor` compares the same ops
+under the same profiler: above 1, the model's matmuls run slower inside a step than alone.
+The groups are shares of the profiled step (the profiler adds a few microseconds per op, and
+Python between ops shows in no op); `decode_step_ms` is the unprofiled median.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+GROUPS = {
+    "matmul": ("aten::mm", "aten::addmm"),
+    "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention",
+                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+                  "aten::_softmax", "aten::bmm", "aten::baddbmm"),
+    "kv cache": ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index_fill_",
+                 "aten::gather", "aten::scatter_"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stagewise profile-decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", default="9")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batch", type=int, default=16, help="requests in the batch (one decode row each)")
+    p.add_argument("--prompt-len", type=int, default=160, help="random prompt tokens per request")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed and profiled (after 4 skipped)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=15, help="ops listed in the report")
+    p.add_argument("--json", default=None, metavar="PATH")
+    return p
+
+
+def group_of(op: str) -> str:
+    return next((g for g, names in GROUPS.items() if op in names), "other")
+
+
+def op_table(prof: Any, steps: int) -> list[dict]:
+    """Every op's own time per step (ms) and calls per step, largest first."""
+    rows = [{"op": e.key, "group": group_of(e.key), "ms_per_step": e.self_cpu_time_total / 1000.0 / steps,
+             "calls_per_step": e.count / steps} for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+class DecodeWindow:
+    """Wraps the model's forward to find the decode steps: a step runs from one one-token forward
+    to the next (the forward, sampling, the engine's bookkeeping), as the benches' `decode step
+    ms` does. Times every step, and profiles a window of `steps` of them."""
+
+    SKIP = 4  # the first decode steps of a batch: allocator and cache warm-up
+
+    def __init__(self, model: torch.nn.Module, steps: int, device: torch.device) -> None:
+        self.model, self.steps, self.device = model, steps, device
+        self.forward = model.forward
+        self.starts: list[float] = []
+        self.prof: Any = None
+        model.forward = self  # instance attribute: nn.Module.__call__ finds it
+
+    def __call__(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if ids.shape[1] == 1:  # a decode step starts (and the previous one ended)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            n = len(self.starts)
+            if self.prof is not None and n == self.SKIP:
+                self.prof.start()
+            if self.prof is not None and n == self.SKIP + self.steps:
+                self.prof.stop()
+            self.starts.append(time.perf_counter())
+        return self.forward(ids, *args, **kwargs)
+
+    def run(self, engine: Any, requests: list, profiled: bool) -> list[float]:
+        """One generate() of `requests`; the window's step times (ms)."""
+        self.starts = []
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.prof = profile(activities=activities) if profiled else None
+        engine.generate(requests)
+        window = self.starts[self.SKIP:self.SKIP + self.steps + 1]
+        return [(b - a) * 1000.0 for a, b in zip(window, window[1:])]
+
+
+def measure(a: argparse.Namespace) -> dict:
+    from common.bench import accepted
+    from common.cli import resolve_stage
+    from common.floor import decode_matmuls, matmul_floor_ms
+    from common.loader import load_model
+    from common.requests import Request, SamplingParams
+
+    package = resolve_stage(a.stage)
+    loaded = load_model(a.model, device=a.device, dtype=a.dtype)
+    module = importlib.import_module(package)
+    engine = module.InferenceEngine(loaded, **accepted(module.InferenceEngine, {"max_batch_size": a.batch}))
+    rng = random.Random(a.seed)
+    vocab = loaded.model.lm_head_weight.shape[0]
+    ids = [[rng.randrange(min(100, vocab - 1), vocab) for _ in range(a.prompt_len)] for _ in range(a.batch)]
+    new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
+    requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
+                for p in ids]
+    window = DecodeWindow(loaded.model, a.steps, loaded.device)
+    window.run(engine, requests, profiled=False)  # warm-up: every KV block touched once
+    floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
+    times = window.run(engine, requests, profiled=False)
+    floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
+    window.run(engine, requests, profiled=True)
+    ops = op_table(window.prof, a.steps)
+    with profile(activities=[ProfilerActivity.CPU]) as floor_prof:
+        matmul_floor_ms(loaded.model, a.batch, warmup=2, repeats=a.steps)
+    floor_mm = sum(r["ms_per_step"] for r in op_table(floor_prof, a.steps + 2) if r["group"] == "matmul")  # warm-up + repeats
+    profiled_ms = sum(r["ms_per_step"] for r in ops)
+    groups = {g: sum(r["ms_per_step"] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
+    step_ms, floor_ms = statistics.median(times), statistics.median(floors)
+    return {
+        "kind": "profile-decode", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
+        "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
+        "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps,
+        "matmuls_per_step": len(decode_matmuls(loaded.model)),
+        "decode_step_ms": step_ms, "step_samples_ms": [round(t, 3) for t in times],
+        "floor_ms": floor_ms, "floor_samples_ms": [round(f, 3) for f in floors],
+        "x_floor": step_ms / floor_ms if floor_ms else None,
+        "profiled_step_ms": profiled_ms,
+        "groups_ms_profiled": groups,
+        "groups_share": {g: v / profiled_ms if profiled_ms else 0.0 for g, v in groups.items()},
+        "floor_matmul_ms_profiled": floor_mm,
+        "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm else None,
+        "ops": ops[:max(a.top, 40)],
+    }
+
+
+def format_profile(r: dict, top: int) -> str:
+    lines = [f"=== decode step profile: {r['stage']} on {r['model']} ({r['device']}, {r['dtype']}) ===",
+             f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
+             f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
+             f"x floor {r['x_floor']:.2f}",
+             f"Profiled step: {r['profiled_step_ms']:.2f} ms of ops per step, by group:"]
+    for g, ms in r["groups_ms_profiled"].items():
+        lines.append(f"  {g:10s} {ms:8.2f} ms  {100 * r['groups_share'][g]:5.1f} %")
+    lines.append(f"Matmuls in the step vs the same matmuls alone (both profiled): "
+                 f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
+                 f"= {r['matmul_vs_floor']:.2f}x")
+    lines.append(f"{'op':52s} {'group':10s} {'ms/step':>8s} {'calls/step':>10s}")
+    for row in r["ops"][:top]:
+        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:8.2f} {row['calls_per_step']:10.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.batch < 1 or a.prompt_len < 1 or a.steps < 1:
+        raise SystemExit("profile-decode: --batch, --prompt-len and --steps must be >= 1")
+    torch.manual_seed(a.seed)
+    result = measure(a)
+    print(format_profile(result, a.top), flush=True)
+    if a.json:
+        from common.bench import write_json
+        from common.envinfo import collect_env
+        write_json(a.json, {**result, "command": "stagewise profile-decode " + " ".join(sys.argv[1:] if argv is None else argv),
+                            "env": collect_env(result["device"])})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`stagewise profile-decode`: the window holds exactly the decode steps asked for, and the groups add up."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common import profile_decode
+
+
+@pytest.mark.parametrize("stage", ["2", "3", "9"])
+def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "profile.json"
+    assert profile_decode.main(["--stage", stage, "--model", "tiny", "--device", "cpu", "--dtype", "float32",
+                                "--batch", "3", "--prompt-len", "9", "--steps", "4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert "x floor" in capsys.readouterr().out
+    # Every step of the window runs each projection once: the window is exactly `steps` steps.
+    mm = [row for row in r["ops"] if row["op"] == "aten::mm"]
+    assert mm and mm[0]["calls_per_step"] == pytest.approx(r["matmuls_per_step"])
+    assert len(r["step_samples_ms"]) == 4 and r["decode_step_ms"] > 0 and r["floor_ms"] > 0
+    assert sum(r["groups_ms_profiled"].values()) == pytest.approx(r["profiled_step_ms"])
+    assert sum(r["groups_share"].values()) == pytest.approx(1.0)
+    assert r["groups_ms_profiled"]["matmul"] > 0 and r["groups_ms_profiled"]["attention"] > 0
+    if stage != "2":  # the paged stages gather their blocks
+        assert r["groups_ms_profiled"]["kv cache"] > 0
+    assert r["env"]["git_commit"] and r["stage"].startswith(f"s0{stage}_")
+
+
+def test_groups() -> None:
+    assert profile_decode.group_of("aten::mm") == "matmul"
+    assert profile_decode.group_of("aten::index_select") == "kv cache"
+    assert profile_decode.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert profile_decode.group_of("aten::rsqrt") == "other"
