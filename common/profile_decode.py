@@ -12,7 +12,7 @@ torch.profiler in a second run of the same batch, and every op's own time goes i
 
 - matmul: the projections and the lm_head (`aten::mm`, `aten::addmm`): what the floor times;
 - attention: scaled-dot-product attention itself;
-- kv cache: reading and writing the paged cache (block gathers, index copies; stage 02 writes its
+- kv_cache: reading and writing the paged cache (block gathers, index copies; stage 02 writes its
   contiguous cache with slice copies, which land in "other");
 - other: norms, RoPE, activations, residual adds, views, and everything else.
 
@@ -40,7 +40,7 @@ GROUPS = {
                   "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention",
                   "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
                   "aten::_softmax", "aten::bmm", "aten::baddbmm"),
-    "kv cache": ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index_fill_",
+    "kv_cache": ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index_fill_",
                  "aten::gather", "aten::scatter_"),
 }
 
@@ -72,21 +72,23 @@ def op_table(prof: Any, steps: int) -> list[dict]:
 
 
 class DecodeWindow:
-    """Wraps the model's forward to find the decode steps: a step runs from one one-token forward
-    to the next (the forward, sampling, the engine's bookkeeping), as the benches' `decode step
+    """Wraps the model's forward to find the decode steps: a step runs from one forward of one
+    token per row to the next (the forward, sampling, the engine's bookkeeping), as the benches' `decode step
     ms` does. Times every step, and profiles a window of `steps` of them."""
 
     SKIP = 4  # the first decode steps of a batch: allocator and cache warm-up
 
-    def __init__(self, model: torch.nn.Module, steps: int, device: torch.device) -> None:
-        self.model, self.steps, self.device = model, steps, device
+    def __init__(self, model: torch.nn.Module, steps: int, batch: int, device: torch.device) -> None:
+        self.model, self.steps, self.batch, self.device = model, steps, batch, device
         self.forward = model.forward
         self.starts: list[float] = []
         self.prof: Any = None
         model.forward = self  # instance attribute: nn.Module.__call__ finds it
 
     def __call__(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if ids.shape[1] == 1:  # a decode step starts (and the previous one ended)
+        # A decode step starts (and the previous one ended): one token per row, as `[B, 1]`, or
+        # packed as `[1, B]` (stage 11's steps). A prefill (or a chunk of one) has more tokens.
+        if ids.numel() == self.batch:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             n = len(self.starts)
@@ -124,7 +126,7 @@ def measure(a: argparse.Namespace) -> dict:
     new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
-    window = DecodeWindow(loaded.model, a.steps, loaded.device)
+    window = DecodeWindow(loaded.model, a.steps, a.batch, loaded.device)
     window.run(engine, requests, profiled=False)  # warm-up: every KV block touched once
     floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
     times = window.run(engine, requests, profiled=False)

@@ -9,7 +9,7 @@ import pytest
 from common import profile_decode
 
 
-@pytest.mark.parametrize("stage", ["2", "3", "9"])
+@pytest.mark.parametrize("stage", ["2", "3", "9", "11"])
 def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     out = tmp_path / "profile.json"
     assert profile_decode.main(["--stage", stage, "--model", "tiny", "--device", "cpu", "--dtype", "float32",
@@ -24,12 +24,12 @@ def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     assert sum(r["groups_share"].values()) == pytest.approx(1.0)
     assert r["groups_ms_profiled"]["matmul"] > 0 and r["groups_ms_profiled"]["attention"] > 0
     if stage != "2":  # the paged stages gather their blocks
-        assert r["groups_ms_profiled"]["kv cache"] > 0
-    assert r["env"]["git_commit"] and r["stage"].startswith(f"s0{stage}_")
+        assert r["groups_ms_profiled"]["kv_cache"] > 0
+    assert r["env"]["git_commit"] and r["stage"].startswith(f"s{int(stage):02d}_")
 
 
 def test_groups() -> None:
     assert profile_decode.group_of("aten::mm") == "matmul"
-    assert profile_decode.group_of("aten::index_select") == "kv cache"
+    assert profile_decode.group_of("aten::index_select") == "kv_cache"
     assert profile_decode.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert profile_decode.group_of("aten::rsqrt") == "other"
