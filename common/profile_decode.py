@@ -124,6 +124,10 @@ def measure(a: argparse.Namespace) -> dict:
     vocab = loaded.model.lm_head_weight.shape[0]
     ids = [[rng.randrange(min(100, vocab - 1), vocab) for _ in range(a.prompt_len)] for _ in range(a.batch)]
     new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
+    budget = getattr(engine, "max_num_batched_tokens", None)
+    if budget:  # chunked prefill (stage 11): the first prompts decode while the last are prefilled,
+        # so they need enough tokens to still be running when the whole batch decodes together
+        new_tokens += -(-a.batch * a.prompt_len // int(budget)) + 1
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
     window = DecodeWindow(loaded.model, a.steps, a.batch, loaded.device)

@@ -28,6 +28,17 @@ def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     assert r["env"]["git_commit"] and r["stage"].startswith(f"s{int(stage):02d}_")
 
 
+def test_profile_decode_finds_the_full_batch_under_chunked_prefill(tmp_path: Path) -> None:
+    """Stage 11, a batch whose prompts take several chunked steps: the first prompts decode while
+    the last are prefilled, and the window still holds full-batch decode steps only."""
+    out = tmp_path / "profile.json"
+    assert profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
+                                "--batch", "16", "--prompt-len", "40", "--steps", "3", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    mm = [row for row in r["ops"] if row["op"] == "aten::mm"]
+    assert mm and mm[0]["calls_per_step"] == pytest.approx(r["matmuls_per_step"]) and len(r["step_samples_ms"]) == 3
+
+
 def test_groups() -> None:
     assert profile_decode.group_of("aten::mm") == "matmul"
     assert profile_decode.group_of("aten::index_select") == "kv_cache"
