@@ -33,7 +33,7 @@ def test_profile_decode_finds_the_full_batch_under_chunked_prefill(tmp_path: Pat
     the last are prefilled, and the window still holds full-batch decode steps only."""
     out = tmp_path / "profile.json"
     assert profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
-                                "--batch", "16", "--prompt-len", "40", "--steps", "3", "--json", str(out)]) == 0
+                                "--batch", "32", "--prompt-len", "64", "--steps", "3", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     mm = [row for row in r["ops"] if row["op"] == "aten::mm"]
     assert mm and mm[0]["calls_per_step"] == pytest.approx(r["matmuls_per_step"]) and len(r["step_samples_ms"]) == 3
