@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve.py)")
     sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/bench_serve.py)")
     sub.add_parser("profile-decode", add_help=False,
-                   help="one stage's decode forward op by op, against the matmul floor (common/profile_decode.py)")
+                   help="one stage's decode step op by op, against the matmul floor (common/profile_decode.py)")
     sub.add_parser("serve-overhead", add_help=False,
                    help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
     return parser

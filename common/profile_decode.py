@@ -73,13 +73,13 @@ def op_table(prof: Any, steps: int) -> list[dict]:
 
 class DecodeWindow:
     """Wraps the model's forward to find the decode steps: a step runs from one forward of one
-    token per row to the next (the forward, sampling, the engine's bookkeeping), as the benches' `decode step
-    ms` does. Times every step, and profiles a window of `steps` of them."""
+    token per row to the next (the forward, sampling, the engine's bookkeeping), as the benches'
+    `decode step ms` does. Times every step, and profiles a window of `steps` of them."""
 
     SKIP = 4  # the first decode steps of a batch: allocator and cache warm-up
 
     def __init__(self, model: torch.nn.Module, steps: int, batch: int, device: torch.device) -> None:
-        self.model, self.steps, self.batch, self.device = model, steps, batch, device
+        self.steps, self.batch, self.device = steps, batch, device
         self.forward = model.forward
         self.starts: list[float] = []
         self.prof: Any = None
