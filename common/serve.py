@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -122,6 +123,31 @@ def _pump(handle: Any, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) ->
         loop.call_soon_threadsafe(inbox.put_nowait, _End(item))
     except RuntimeError:  # the loop is gone (server stopped): nobody is waiting
         pass
+
+
+class EventStream(StreamingResponse):
+    """Starlette's StreamingResponse, streamed in the request's own task.
+
+    Why not StreamingResponse as it is: under uvicorn (ASGI spec 2.3) it runs the stream in a new
+    task of a per-response task group, and a new task first runs one event-loop pass later. In a
+    burst the loop makes all 64 responses in one pass and streams them in the next, so the median
+    request's first token waits for the whole burst's set-up. Here the headers and the first chunk
+    are written in the same pass that makes the response; a small watcher task cancels the stream
+    (through an anyio cancel scope, as the task group does) when the client goes away.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        with anyio.CancelScope() as cancel_scope:
+            async def cancel_on_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                cancel_scope.cancel()  # ends stream_response; events()' finally cancels the request
+
+            watcher = asyncio.ensure_future(cancel_on_disconnect())
+            try:
+                await self.stream_response(send)
+            finally:
+                watcher.cancel()
 
 
 def _api_error(exc: BaseException) -> APIError:
@@ -256,7 +282,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
             await agen.aclose()
         yield sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return EventStream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def build_app(state: ServeState) -> FastAPI:
