@@ -311,16 +311,20 @@ def build_app(state: ServeState) -> FastAPI:
                 "max_model_len": state.max_model_len}
         return _json({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_completion(parse_json(await request.body()), len(state.tokenizer))
         return await _respond(state, request, req, chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_chat(parse_json(await request.body()), state.tokenizer, state.max_model_len)
         return await _respond(state, request, req, chat=True)
 
+    # Plain Starlette routes, not @app.post: these two read their own JSON (so a bad field gets
+    # OpenAI's 400, not FastAPI's 422), and FastAPI's per-request dependency solving and wrappers
+    # would be work for nothing. Profiled, that work was a third of the app's time per request,
+    # paid 64 times over by a burst's TTFT. The app's error handlers apply all the same.
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
 
 

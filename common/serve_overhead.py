@@ -172,6 +172,16 @@ def overhead(http: dict, local: dict, pairs: list[dict] | None = None) -> dict:
             and added <= TARGETS["ttft_p50_added_ms"]}
 
 
+def intake_span_ms(completions: list[Any]) -> float:
+    """From the first request of a burst reaching `add_request` to the last one (server clock).
+
+    In-process, that is the submitter's loop over `add_request`; over HTTP, the event loop
+    parsing and routing the burst one request after another, then `add_request` for each.
+    The burst's prefill starts after the last, so the difference is HTTP's intake cost."""
+    stamps = [c.timings["submitted"] for c in completions]
+    return 1000.0 * (max(stamps) - min(stamps))
+
+
 def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict:
     """One pair's figures. TTFT: what each side adds to the engine's own prefill.
 
@@ -194,6 +204,7 @@ def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict
             "ttft_p50_ms": figures["ttft_p50_ms"], "prefill_p50_ms": {"http": prefill_http, "in_process": prefill_local},
             "ttft_p50_outside_prefill_ms": outside,
             "queue_wait_p50_ms": {"http": http_engine["queue_wait_ms"]["p50"], "in_process": local_run["queue_wait_ms"]["p50"]},
+            "intake_span_ms": {"http": http_engine.get("intake_span_ms"), "in_process": local_run.get("intake_span_ms")},
             "throughput_completion_tok_s": figures["throughput_completion_tok_s"]}
 
 
@@ -211,12 +222,12 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
 
         def local_run() -> dict:
             summary = run_streaming_once(server.manager, requests, timeout_s=a.timeout_s)[0]
-            server.take_completions(a.timeout_s)
-            return summary
+            return {**summary, "intake_span_ms": intake_span_ms(server.take_completions(a.timeout_s))}
 
         def http_run() -> dict:
             client.run()
-            return summarize(server.take_completions(a.timeout_s))  # the server's view: engine timings
+            completions = server.take_completions(a.timeout_s)  # the server's view: engine timings
+            return {**summarize(completions), "intake_span_ms": intake_span_ms(completions)}
 
         for w in range(a.warmup_runs):
             print(f"=== warmup {w + 1}/{a.warmup_runs}: in-process, then HTTP ===", flush=True)
@@ -257,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = overhead(http_entry, local, pairs)
     for p in pairs:
         print(f"pair ({p['first']} first): TTFT p50 net of prefill {p['ttft_p50_added_ms']:+.2f} ms "
-              f"(raw {p['ttft_p50_added_raw_ms']:+.2f} ms), throughput {p['throughput_loss_pct']:+.1f}% lost", flush=True)
+              f"(raw {p['ttft_p50_added_raw_ms']:+.2f} ms), throughput {p['throughput_loss_pct']:+.1f}% lost; "
+              f"burst intake {p['intake_span_ms']['http']:.1f} ms over HTTP, {p['intake_span_ms']['in_process']:.1f} "
+              f"ms in-process", flush=True)
     print(f"HTTP cost (median of {len(pairs)} pairs): completion throughput {figures['throughput_loss_pct']:+.1f}% "
           f"lost (target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
           f"(target <= {TARGETS['ttft_p50_added_ms']:g} ms)", flush=True)

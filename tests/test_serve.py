@@ -430,7 +430,11 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
 
 
 def test_serve_overhead_figures() -> None:
-    from common.serve_overhead import overhead, pair
+    from types import SimpleNamespace
+
+    from common.serve_overhead import intake_span_ms, overhead, pair
+    burst = [SimpleNamespace(timings={"submitted": t}) for t in (2.0015, 2.0, 2.0105)]
+    assert intake_span_ms(burst) == pytest.approx(10.5)
     http = {"throughput_tok_s": {"completion": 90.0}, "ttft_ms": {"p50": 14.0}}
     local = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 10.0}}
     got = overhead(http, local)
@@ -446,8 +450,9 @@ def test_serve_overhead_figures() -> None:
     local_run = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 510.0},
                  "ttft_received_ms": {"p50": 512.0}, "prefill_to_first_token_ms": {"p50": 500.0},
                  "queue_wait_ms": {"p50": 6.0}}
-    http_engine = {"prefill_to_first_token_ms": {"p50": 600.0}, "queue_wait_ms": {"p50": 9.0}}
+    http_engine = {"prefill_to_first_token_ms": {"p50": 600.0}, "queue_wait_ms": {"p50": 9.0}, "intake_span_ms": 12.0}
     p = pair(http_run, http_engine, local_run, "http")
+    assert p["intake_span_ms"] == {"http": 12.0, "in_process": None}
     assert p["ttft_p50_added_ms"] == pytest.approx(8.0) and p["ttft_p50_added_raw_ms"] == pytest.approx(108.0)
     assert p["throughput_loss_pct"] == pytest.approx(5.0)
     pairs = [p, {**p, "ttft_p50_added_ms": 2.0, "throughput_loss_pct": 1.0},
@@ -472,6 +477,7 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
     assert len(result["runs"]) == 2 and len(result["compare"][0]["runs"]) == 2
     for p in figures["pairs"]:
         assert p["prefill_p50_ms"]["http"] > 0 and p["prefill_p50_ms"]["in_process"] > 0
+        assert p["intake_span_ms"]["http"] > 0 and p["intake_span_ms"]["in_process"] > 0  # 4 requests, 4 stamps
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
     assert result["env"]["git_commit"] and result["dtype"] == "float32"
 
