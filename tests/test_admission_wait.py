@@ -94,3 +94,21 @@ def test_a_lone_request_waits_no_longer_than_the_maximum(package, tiny):
 def test_a_negative_wait_is_refused_naming_the_field(package, field, tiny):
     with pytest.raises(ValueError, match=field):
         _manager(package, tiny, **{field: -1})
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_arrivals_wake_the_waiting_worker_only_when_the_batch_is_full(package, tiny):
+    # A wake per arrival would take the GIL from the thread submitting the rest of the burst.
+    # The windows are longer than the result timeout: only the full batch's wake admits in time.
+    with _manager(package, tiny, max_queue_delay_ms=600_000, queue_quiet_ms=300_000) as manager:  # batch of 8
+        events = _record(manager)
+        wakes: list[int] = []  # the pending queue's length at each wake
+        real_set = manager._wakeup.set
+        manager._wakeup.set = lambda: (wakes.append(manager._pending.qsize()), real_set())[1]
+        handles = [manager.add_request(PROMPTS[0], max_new_tokens=4, temperature=0.0)]
+        _wait_for(lambda: manager._collecting)  # the idle worker now holds admission for the burst
+        handles += [manager.add_request(f"{PROMPTS[1]} {i}", max_new_tokens=4, temperature=0.0) for i in range(7)]
+        for h in handles:
+            assert len(h.result(timeout=60).token_ids) == 4
+        assert wakes == [1, 8], wakes  # the first arrival (the worker was idle) and the full batch
+    assert _rounds(events) == 1, events

@@ -131,6 +131,8 @@ class SchedulerManager:
         self._stream_states: dict[int, _StreamState] = {}
         self._cancelled: set[int] = set()
         self._wakeup = threading.Event()
+        self._collecting = False  # the idle worker is holding admission for a burst (_wait_for_burst)
+        self._last_arrival = 0.0  # perf_counter of the latest add_request, for the quiet window
         self._running = True
         self._tokenizer_pool = ThreadPoolExecutor(int(tokenize_workers)) if tokenize_workers else None
         self._worker = threading.Thread(target=self._worker_loop, name="stagewise-worker", daemon=True)
@@ -170,8 +172,13 @@ class SchedulerManager:
             self._fail(pending.request_id, exc)
             return
         pending.timings["tokenized"] = time.perf_counter()
+        self._last_arrival = time.perf_counter()
         self._pending.put(pending)
-        self._wakeup.set()
+        # While the idle worker collects a burst, wake it only when the batch is full: it times
+        # the quiet window from _last_arrival itself, and a wake per arrival would take the GIL
+        # from the thread submitting the rest of the burst, 64 times in a burst of 64.
+        if not self._collecting or self._pending.qsize() >= self.scheduler.max_batch_size:
+            self._wakeup.set()
 
     def cancel(self, request_id: int) -> None:
         """Stop a request; its stream ends with finish_reason "cancelled" and the tokens so far."""
@@ -233,22 +240,25 @@ class SchedulerManager:
         window so a lone request waits queue_quiet_ms, not the whole maximum. Only when nothing
         runs: a busy worker admits newcomers at every step, and waiting there would stall the
         running requests' tokens (vLLM's `scheduler_delay_factor` is the knob for that case).
+        Meanwhile arrivals do not wake the worker (only a full batch does): it sleeps until the
+        window could end, then looks at `_last_arrival`.
         """
         if self.max_queue_delay_s <= 0 or self._waiting or self.scheduler.has_unfinished():
             return
-        seen = self._pending.qsize()
-        if seen == 0:
+        if self._pending.qsize() == 0:
             return
-        start = last_arrival = time.perf_counter()
-        while seen < self.scheduler.max_batch_size:
-            timeout = min(last_arrival + self.queue_quiet_s, start + self.max_queue_delay_s) - time.perf_counter()
-            if timeout <= 0:
-                return
-            self._wakeup.clear()
-            if self._pending.qsize() == seen:  # checked after clear(): an arrival just before it is not missed
-                self._wakeup.wait(timeout)
-            if self._pending.qsize() != seen:
-                seen, last_arrival = self._pending.qsize(), time.perf_counter()
+        start, full = time.perf_counter(), self.scheduler.max_batch_size
+        self._collecting = True  # from here, add_request wakes us only when the batch is full
+        try:
+            while self._pending.qsize() < full:
+                timeout = min(self._last_arrival + self.queue_quiet_s, start + self.max_queue_delay_s) - time.perf_counter()
+                if timeout <= 0:
+                    return
+                self._wakeup.clear()
+                if self._pending.qsize() < full:  # checked after clear(): a batch filled just before it is not missed
+                    self._wakeup.wait(timeout)
+        finally:
+            self._collecting = False
 
     def _admit_pending(self) -> None:
         """Prefill up to max_batch_size pending requests (those the KV pool could not hold go first)."""
