@@ -179,8 +179,7 @@ class SchedulerManager:
         except Exception as exc:
             self._fail(pending.request_id, exc)
             return
-        pending.timings["tokenized"] = time.perf_counter()
-        self._last_arrival = time.perf_counter()
+        self._last_arrival = pending.timings["tokenized"] = time.perf_counter()
         self._pending.put(pending)
         # While the idle worker collects a burst, wake it only when the batch is full: it times
         # the quiet window from _last_arrival itself, and a wake per arrival would take the GIL
