@@ -204,7 +204,7 @@ def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict
             "ttft_p50_ms": figures["ttft_p50_ms"], "prefill_p50_ms": {"http": prefill_http, "in_process": prefill_local},
             "ttft_p50_outside_prefill_ms": outside,
             "queue_wait_p50_ms": {"http": http_engine["queue_wait_ms"]["p50"], "in_process": local_run["queue_wait_ms"]["p50"]},
-            "intake_span_ms": {"http": http_engine.get("intake_span_ms"), "in_process": local_run.get("intake_span_ms")},
+            "intake_span_ms": {"http": http_engine["intake_span_ms"], "in_process": local_run["intake_span_ms"]},
             "throughput_completion_tok_s": figures["throughput_completion_tok_s"]}
 
 

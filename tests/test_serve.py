@@ -449,10 +449,10 @@ def test_serve_overhead_figures() -> None:
     http_run = {"throughput_tok_s": {"completion": 95.0}, "ttft_ms": {"p50": 620.0}}
     local_run = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 510.0},
                  "ttft_received_ms": {"p50": 512.0}, "prefill_to_first_token_ms": {"p50": 500.0},
-                 "queue_wait_ms": {"p50": 6.0}}
+                 "queue_wait_ms": {"p50": 6.0}, "intake_span_ms": 5.0}
     http_engine = {"prefill_to_first_token_ms": {"p50": 600.0}, "queue_wait_ms": {"p50": 9.0}, "intake_span_ms": 12.0}
     p = pair(http_run, http_engine, local_run, "http")
-    assert p["intake_span_ms"] == {"http": 12.0, "in_process": None}
+    assert p["intake_span_ms"] == {"http": 12.0, "in_process": 5.0}
     assert p["ttft_p50_added_ms"] == pytest.approx(8.0) and p["ttft_p50_added_raw_ms"] == pytest.approx(108.0)
     assert p["throughput_loss_pct"] == pytest.approx(5.0)
     pairs = [p, {**p, "ttft_p50_added_ms": 2.0, "throughput_loss_pct": 1.0},
