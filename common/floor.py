@@ -1,8 +1,9 @@
 """The machine's floor for a decode step: the model's own matmuls alone, for B one-token rows.
 
-A decode step of any stage runs, for every layer, the same few `F.linear` calls on a [B, hidden]
+A decode step of any stage runs, for every layer, the same few projections on a [B, hidden]
 batch (Llama: qkv, o, gate_up, down; GPT-2: attn, attn_proj, fc, mlp_proj, with biases), then the
-lm_head projection. Everything else a step does -- attention over the cache, norms, RoPE,
+lm_head projection, each through `common.linear.linear` with the weight the model packed for it
+(oneDNN on a CPU in fp32, `F.linear` elsewhere): the floor makes the same calls. Everything else a step does -- attention over the cache, norms, RoPE,
 sampling, the scheduler's Python -- comes on top. So the time of those matmuls alone, on the same
 weights, dtype and device, in the same process, is a floor no stage can beat; `x floor`
 (decode step / floor) says how much of a step is overhead a better engine could still remove.
@@ -14,8 +15,9 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from .linear import linear
 
 
 def decode_batch(max_batch_size: int, num_requests: int) -> int:
@@ -23,17 +25,13 @@ def decode_batch(max_batch_size: int, num_requests: int) -> int:
     return max(1, min(int(max_batch_size), int(num_requests)))
 
 
-def decode_matmuls(model: torch.nn.Module) -> list[tuple[Tensor, Tensor | None]]:
-    """(weight [out, in], bias or None) of every projection one decode step makes, in order."""
-    out: list[tuple[Tensor, Tensor | None]] = []
+def decode_matmuls(model: torch.nn.Module) -> list[tuple[Tensor, Tensor | None, Tensor | None]]:
+    """(weight [out, in], bias or None, packed weight or None) of every projection one decode
+    step makes, in order (see `Projections` in common/model.py)."""
+    out: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
     for layer in model.layers:
-        if hasattr(layer, "qkv_weight"):  # LlamaBlock
-            out += [(layer.qkv_weight, layer.qkv_bias), (layer.o_weight, layer.o_bias),
-                    (layer.gate_up_weight, None), (layer.down_weight, None)]
-        else:  # GPT2Block
-            out += [(layer.attn_weight, layer.attn_bias), (layer.attn_proj_weight, layer.attn_proj_bias),
-                    (layer.fc_weight, layer.fc_bias), (layer.mlp_proj_weight, layer.mlp_proj_bias)]
-    out.append((model.lm_head_weight, None))
+        out += [(*layer.projection(name), layer.packed.get(name)) for name in layer.PROJECTIONS]
+    out.append((model.lm_head_weight, None, model.lm_head_packed))
     return out
 
 
@@ -55,11 +53,11 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     weight = mats[0][0]
     device, dtype = weight.device, weight.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
-    inputs = [torch.randn(batch, w.shape[1], generator=gen).to(device=device, dtype=dtype) for w, _ in mats]
+    inputs = [torch.randn(batch, w.shape[1], generator=gen).to(device=device, dtype=dtype) for w, _, _ in mats]
 
     def step() -> None:
-        for x, (w, b) in zip(inputs, mats):
-            F.linear(x, w, b)
+        for x, (w, b, packed) in zip(inputs, mats):
+            linear(x, w, b, packed)
 
     for _ in range(warmup):
         step()

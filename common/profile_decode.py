@@ -10,7 +10,8 @@ one one-token forward to the next: the forward, sampling and the engine's bookke
 benches' `decode step ms`. The steps are timed without a profiler, then profiled with
 torch.profiler in a second run of the same batch, and every op's own time goes in one group:
 
-- matmul: the projections and the lm_head (`aten::mm`, `aten::addmm`): what the floor times;
+- matmul: the projections and the lm_head (`aten::mm`, `aten::addmm`, or oneDNN's
+  `mkldnn::_linear_pointwise` where the weights are packed): what the floor times;
 - attention: scaled-dot-product attention itself;
 - kv_cache: reading and writing the paged cache (block gathers, index copies; stage 02 writes its
   contiguous cache with slice copies, which land in "other");
@@ -35,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 GROUPS = {
-    "matmul": ("aten::mm", "aten::addmm"),
+    "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention",
                   "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",

@@ -40,13 +40,16 @@ class FakeTokenizer:
 
 
 def fake_model(hidden: int = 8, layers: int = 2, vocab: int = 32) -> types.SimpleNamespace:
-    """Just the weights common/floor.py reads: one Llama-shaped block per layer and an lm_head."""
+    """Just what common/floor.py reads: one Llama-shaped block of projections per layer and an lm_head."""
+    shapes = {"qkv": (3 * hidden, hidden), "o": (hidden, hidden), "gate_up": (4 * hidden, hidden),
+              "down": (hidden, 2 * hidden)}
+
     def block() -> types.SimpleNamespace:
-        return types.SimpleNamespace(qkv_weight=torch.randn(3 * hidden, hidden), qkv_bias=None,
-                                     o_weight=torch.randn(hidden, hidden), o_bias=None,
-                                     gate_up_weight=torch.randn(4 * hidden, hidden),
-                                     down_weight=torch.randn(hidden, 2 * hidden))
-    return types.SimpleNamespace(layers=[block() for _ in range(layers)], lm_head_weight=torch.randn(vocab, hidden))
+        weights = {name: torch.randn(*shape) for name, shape in shapes.items()}
+        return types.SimpleNamespace(PROJECTIONS=tuple(shapes), packed={},
+                                     projection=lambda name: (weights[name], None))
+    return types.SimpleNamespace(layers=[block() for _ in range(layers)], lm_head_weight=torch.randn(vocab, hidden),
+                                 lm_head_packed=None)
 
 
 def fake_loaded():

@@ -21,20 +21,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_floor_times_exactly_the_decode_steps_matmuls(tiny, monkeypatch) -> None:
-    calls: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []
-    real = torch.nn.functional.linear
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], bool, object]] = []
+    real = floor.linear
 
-    def counting(x, w, b=None):
-        calls.append((tuple(x.shape), tuple(w.shape), b is not None))
-        return real(x, w, b)
+    def counting(x, w, b=None, packed=None):
+        calls.append((tuple(x.shape), tuple(w.shape), b is not None, packed))
+        return real(x, w, b, packed)
 
-    monkeypatch.setattr(floor.F, "linear", counting)
+    monkeypatch.setattr(floor, "linear", counting)
     ms = floor.matmul_floor_ms(tiny.model, 3, warmup=1, repeats=2)
     layers = tiny.config.num_layers
     per_step = 4 * layers + 1  # qkv, o, gate_up, down per layer, then the lm_head
     assert ms > 0 and len(calls) == 3 * per_step
-    assert all(x[0] == 3 and x[1] == w[1] for x, w, _ in calls)  # [B, in] @ [out, in]
+    assert all(x[0] == 3 and x[1] == w[1] for x, w, _, _ in calls)  # [B, in] @ [out, in]
     assert calls[per_step - 1][1] == tuple(tiny.model.lm_head_weight.shape)
+    # the very weights the model's own calls use: packed for oneDNN where the model packed them
+    block = tiny.model.layers[0]
+    assert [c[3] for c in calls[:4]] == [block.packed.get(n) for n in block.PROJECTIONS]
+    assert calls[per_step - 1][3] is tiny.model.lm_head_packed
 
 
 def test_decode_batch_and_x_floor() -> None:

@@ -1,0 +1,51 @@
+"""Projections through packed oneDNN weights (common/linear.py) give F.linear's products.
+
+Why: on a CPU in fp32 every projection of every stage goes through the packed weight, so a
+wrong layout, a dropped bias or a shape it mishandles would break every stage at once; and
+where packing is not used (bf16, CUDA, an op that is missing) `F.linear` must take over.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import linear as lin
+from common.loader import load_model
+
+
+@pytest.mark.skipif(not lin._packing_works(), reason="this torch has no oneDNN linear")
+@pytest.mark.parametrize("shape", [(1, 40), (16, 40), (3, 7, 40), (2048, 40)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_projection_equals_f_linear(shape: tuple[int, ...], with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(*shape, generator=gen)
+    packed = lin.pack(w)
+    assert packed is not None
+    out = lin.linear(x, w, b, packed)
+    assert out.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a non-contiguous input (a column slice, as a split of a fused projection gives)
+    wide = torch.randn(5, 80, generator=gen)
+    torch.testing.assert_close(lin.linear(wide[:, :40], w, b, packed), F.linear(wide[:, :40], w, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_only_fp32_weights_on_the_cpu_are_packed(monkeypatch) -> None:
+    w = torch.randn(8, 4)
+    assert lin.pack(w.to(torch.bfloat16)) is None and lin.pack(w.half()) is None
+    x = torch.randn(2, 4)
+    assert torch.equal(lin.linear(x, w, None, None), F.linear(x, w))  # no packed weight: plain F.linear
+    monkeypatch.setattr(lin, "_packing_works", lambda: False)  # a torch without the op
+    assert lin.pack(w) is None
+
+
+def test_the_model_packs_every_projection_in_fp32_and_none_in_bf16() -> None:
+    fp32 = load_model("tiny", device="cpu", dtype="float32").model
+    bf16 = load_model("tiny", device="cpu", dtype="bfloat16").model
+    if lin._packing_works():
+        assert all(set(layer.packed) == set(layer.PROJECTIONS) for layer in fp32.layers)
+        assert fp32.lm_head_packed is not None
+    assert all(not layer.packed for layer in bf16.layers) and bf16.lm_head_packed is None
