@@ -3,8 +3,9 @@
 A decode step of any stage runs, for every layer, the same few projections on a [B, hidden]
 batch (Llama: qkv, o, gate_up, down; GPT-2: attn, attn_proj, fc, mlp_proj, with biases), then the
 lm_head projection, each through `common.linear.linear` with the weight the model packed for it
-(oneDNN on a CPU in fp32, `F.linear` elsewhere): the floor makes the same calls. Everything else a step does -- attention over the cache, norms, RoPE,
-sampling, the scheduler's Python -- comes on top. So the time of those matmuls alone, on the same
+(oneDNN on a CPU in fp32, `F.linear` elsewhere): the floor makes the same calls. Everything else
+a step does -- attention over the cache, norms, RoPE, sampling, the scheduler's Python -- comes
+on top. So the time of those matmuls alone, on the same
 weights, dtype and device, in the same process, is a floor no stage can beat; `x floor`
 (decode step / floor) says how much of a step is overhead a better engine could still remove.
 """

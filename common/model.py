@@ -108,6 +108,7 @@ class LlamaBlock(nn.Module, Projections):
     """Pre-norm block: x + attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
 
     PROJECTIONS = ("qkv", "o", "gate_up", "down")
+    gate_up_bias = down_bias = None  # Llama's MLP has no biases (found here, not by a failed lookup per call)
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -196,7 +197,6 @@ class DecoderModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size)
         )
-
         self.lm_head_packed: Tensor | None = None  # see pack_weights
 
     @property
