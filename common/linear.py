@@ -1,10 +1,12 @@
 """Projections with their weights packed once for oneDNN, on a CPU in fp32; `F.linear` elsewhere.
 
-Why: nine tenths of a decode step's time is the model's projections, and on a CPU in fp32
-`F.linear` is MKL's sgemm, which lays the weight out again in its own blocked format on every
-call. oneDNN's matmul with the weight reordered into its format ONCE, at load time, did the
-same products 1.4-2.4x faster on this 2-core AMD EPYC (Zen 4): SmolLM2's projections for 16
-one-token rows in 27 ms instead of 57, a 2048-token prefill's 1.4x faster. It is what
+Why: most of a decode step's time is the model's projections, and on a CPU in fp32 `F.linear`
+is MKL's sgemm, which lays the weight out again in its own blocked format on every call.
+oneDNN's matmul with the weight reordered into its format ONCE, at load time, did the
+decode-sized products about 2x faster on this 2-core AMD EPYC (Zen 4): SmolLM2's projections
+for 16 one-token rows in 27 ms instead of 57. At prefill sizes (hundreds to thousands of rows)
+the repacking is a small share of the call, and the two paths ran within about 15% of each
+other, either way, in micro-benchmarks on different days. It is what
 PyTorch's own compiler emits for a linear layer whose weight it may freeze
 (`torch.ops.mkldnn._linear_pointwise`, Inductor's CPU freezing pass); we call the op directly,
 no compiler and no extension: plain PyTorch.

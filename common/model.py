@@ -9,8 +9,8 @@ same RoPE formula) so our logits match transformers' to float noise and greedy t
 Three load-time choices for speed, all invisible to callers: q/k/v (and gate/up) projections are
 concatenated into one weight so each is a single matmul; GPT-2's Conv1D weights (stored
 [in, out]) are transposed once so every projection is a plain linear; and on a CPU in fp32 each
-weight is also packed once for oneDNN's matmul (`common/linear.py`: 1.4-2.4x faster than
-`F.linear` there).
+weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x faster than
+`F.linear` there for decode-sized inputs).
 """
 
 from __future__ import annotations
