@@ -22,6 +22,7 @@ import time
 import torch
 
 from common.requests import Completion, Request, prepare_prompt
+from common.threads import release_caller_openmp_threads
 
 
 def available(loaded) -> tuple[bool, str]:
@@ -81,6 +82,10 @@ class HFContinuousEngine:
         with self.model.continuous_batching_context_manager(
                 generation_config=self.generation_config, continuous_batching_config=self.cb_config,
                 block=True, timeout=10, warmup=True) as manager:
+            # Its warm-up ran the model on this thread; its generation thread runs it from now
+            # on. The same hand-over as our SchedulerManager's (common/threads.py), so both
+            # engines' worker threads get the CPU's OpenMP threads on equal terms.
+            release_caller_openmp_threads()
             submitted = time.perf_counter()
             self.setup_s.append(submitted - t_setup)
             ids: list[str] = []

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from common.requests import Completion, Request, SamplingParams
+from common.threads import release_caller_openmp_threads
 from common.tokenizer import IncrementalDetokenizer, encode
 
 from .engine import InferenceEngine
@@ -135,6 +136,9 @@ class SchedulerManager:
         self._last_arrival = 0.0  # perf_counter of the latest add_request, for the quiet window
         self._running = True
         self._tokenizer_pool = ThreadPoolExecutor(int(tokenize_workers)) if tokenize_workers else None
+        # From here on the worker runs the model: the caller's idle OpenMP threads would make
+        # the worker's own threads sleep between parallel regions (common/threads.py).
+        release_caller_openmp_threads()
         self._worker = threading.Thread(target=self._worker_loop, name="stagewise-worker", daemon=True)
         self._worker.start()
 
