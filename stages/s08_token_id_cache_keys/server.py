@@ -14,91 +14,16 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from common.requests import Completion, Request, SamplingParams
+from common.streams import Done, Failed, Pending, RequestHandle, StreamChunk, StreamState
 from common.threads import release_caller_openmp_threads
 from common.tokenizer import IncrementalDetokenizer, encode
 
 from .engine import InferenceEngine
 from .kv_cache import OutOfKVBlocks
 from .scheduler import OnlineRequest, OnlineScheduler
-
-
-@dataclass
-class StreamChunk:
-    """Text (and the token ids behind it) produced since the previous chunk."""
-
-    text: str
-    token_ids: list[int]
-
-
-@dataclass
-class _Done:
-    completion: Completion
-
-
-@dataclass
-class _Failed:
-    error: BaseException
-
-
-@dataclass
-class _Pending:
-    """A request waiting for the worker to prefill it."""
-
-    request_id: int
-    request: Request
-    timings: dict[str, float]
-
-
-@dataclass
-class _StreamState:
-    """Tokens produced but not yet flushed to the caller."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-
-
-class RequestHandle:
-    """What `add_request` returns: iterate it for StreamChunks, or wait for the final Completion."""
-
-    def __init__(self, manager: "SchedulerManager", request_id: int, out: "queue.Queue[Any]") -> None:
-        self.request_id = request_id
-        self._manager = manager
-        self._out = out
-        self._final: Completion | BaseException | None = None
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        while self._final is None:
-            item = self._out.get()
-            if isinstance(item, StreamChunk):
-                yield item
-            else:
-                self._final = item.completion if isinstance(item, _Done) else item.error
-        if isinstance(self._final, BaseException):
-            raise self._final
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """Block until the request ends; raises the request's own error if it failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._final is None:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                item = self._out.get(timeout=remaining)
-            except queue.Empty:
-                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s") from None
-            if isinstance(item, _Done):
-                self._final = item.completion
-            elif isinstance(item, _Failed):
-                self._final = item.error
-        if isinstance(self._final, BaseException):
-            raise self._final
-        return self._final
-
-    def cancel(self) -> None:
-        self._manager.cancel(self.request_id)
 
 
 class SchedulerManager:
@@ -133,11 +58,11 @@ class SchedulerManager:
         self.queue_quiet_s = float(queue_quiet_ms) / 1000.0
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._pending: queue.Queue[_Pending] = queue.Queue()
-        self._waiting: list[_Pending] = []  # drained from pending, but the KV pool was full (worker only)
+        self._pending: queue.Queue[Pending] = queue.Queue()
+        self._waiting: list[Pending] = []  # drained from pending, but the KV pool was full (worker only)
         self._queues: dict[int, queue.Queue[Any]] = {}
         self._detoks: dict[int, IncrementalDetokenizer] = {}
-        self._stream_states: dict[int, _StreamState] = {}
+        self._stream_states: dict[int, StreamState] = {}
         self._cancelled: set[int] = set()
         self._wakeup = threading.Event()
         self._collecting = False  # the idle worker is holding admission for a burst (_wait_for_burst)
@@ -168,14 +93,14 @@ class SchedulerManager:
         except Exception as exc:  # e.g. an unknown sampling keyword
             self._fail(rid, exc)
             return handle
-        pending = _Pending(rid, request, {"submitted": submitted})
+        pending = Pending(rid, request, {"submitted": submitted})
         if self._tokenizer_pool is not None and request.prompt_token_ids is None:
             self._tokenizer_pool.submit(self._tokenize_and_enqueue, pending)
         else:
             self._tokenize_and_enqueue(pending)
         return handle
 
-    def _tokenize_and_enqueue(self, pending: _Pending) -> None:
+    def _tokenize_and_enqueue(self, pending: Pending) -> None:
         req = pending.request
         try:
             if req.prompt_token_ids is None and req.prompt:
@@ -306,7 +231,7 @@ class SchedulerManager:
             session.timings.update(tokenized=p.timings["tokenized"])
             with self._lock:
                 self._detoks[p.request_id] = IncrementalDetokenizer(self.engine.tokenizer)
-                self._stream_states[p.request_id] = _StreamState()
+                self._stream_states[p.request_id] = StreamState()
             self._on_token(p.request_id, session.generated[-1])
         for rid in self.scheduler.pop_finished_ids():  # requests whose only token came from the prefill
             self._finish(rid)
@@ -334,7 +259,7 @@ class SchedulerManager:
         self._push_token(q, detok, state, token_id)
 
     def _push_token(self, q: "queue.Queue[Any] | None", detok: IncrementalDetokenizer | None,
-                    state: _StreamState | None, token_id: int) -> None:
+                    state: StreamState | None, token_id: int) -> None:
         """Detokenize one token and flush the stream every stream_interval tokens."""
         if q is None or detok is None or state is None:
             return
@@ -354,7 +279,7 @@ class SchedulerManager:
         self._complete(rid, q, detok, state, finish_reason)
 
     def _complete(self, rid: int, q: "queue.Queue[Any] | None", detok: IncrementalDetokenizer | None,
-                  state: _StreamState | None, finish_reason: str | None = None) -> None:
+                  state: StreamState | None, finish_reason: str | None = None) -> None:
         """Send the last text and the Completion; the request leaves the scheduler (blocks freed)."""
         completion = self.scheduler.get_completion(rid)
         self.scheduler.discard_request(rid)  # returns its blocks, finished or not
@@ -367,7 +292,7 @@ class SchedulerManager:
             completion.finish_reason = finish_reason
         if not self.record_token_timestamps:
             completion.token_timestamps = []
-        q.put(_Done(completion))
+        q.put(Done(completion))
 
     def _handle_cancellations(self) -> None:
         with self._lock:
@@ -398,7 +323,7 @@ class SchedulerManager:
         with self._lock:
             q = self._queues.pop(rid, None)
         if q is not None:
-            q.put(_Done(Completion(prompt_token_ids=[], token_ids=[], text="", finish_reason="cancelled")))
+            q.put(Done(Completion(prompt_token_ids=[], token_ids=[], text="", finish_reason="cancelled")))
 
     def _fail(self, rid: int, error: BaseException) -> None:
         with self._lock:
@@ -406,7 +331,7 @@ class SchedulerManager:
             self._detoks.pop(rid, None)
             self._stream_states.pop(rid, None)
         if q is not None:
-            q.put(_Failed(error))
+            q.put(Failed(error))
 
     def _cancel_everything(self) -> None:
         """End every request that is still known: running ones with their tokens so far."""
