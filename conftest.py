@@ -20,6 +20,13 @@ def stage_module(name: str):
     return importlib.import_module(f"stages.{name}")
 
 
+def streaming_packages() -> list[str]:
+    """The registry's packages of every stage that streams through a SchedulerManager (04 on)."""
+    from common import stages as registry
+
+    return [p for p in registry.STAGES.values() if hasattr(registry.load_stage(p), "SchedulerManager")]
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from common.loader import load_model

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from common import stages as registry
+from conftest import streaming_packages
 
-STREAMING = [p for p in registry.STAGES.values() if hasattr(registry.load_stage(p), "SchedulerManager")]
+STREAMING = streaming_packages()
 PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 

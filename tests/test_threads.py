@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from common import stages as registry
+from conftest import streaming_packages
 from common.requests import SamplingParams
 from common.threads import release_caller_openmp_threads
 
-STREAMING = [p for p in registry.STAGES.values() if hasattr(registry.load_stage(p), "SchedulerManager")]
+STREAMING = streaming_packages()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
@@ -35,24 +36,45 @@ def test_release_ends_the_callers_openmp_threads():
         before = tasks()
         torch.randn(4_000_000).add_(1.0)  # big enough to run as a parallel region: 2 helpers join
         with_team = tasks()
-        released = release_caller_openmp_threads()
-        deadline = time.monotonic() + 5.0
-        while tasks() > before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        print(before, with_team, released, tasks())
+        def release():  # -> (what the call returned, threads once the team is gone or 5 s passed)
+            released = release_caller_openmp_threads()
+            deadline = time.monotonic() + 5.0
+            while tasks() > before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return released, tasks()
+        released, after = release()
+        x = torch.arange(4_000_000, dtype=torch.float64).mul_(2.0)  # the thread still computes, in parallel
+        correct = bool(x[-1] == 2.0 * (4_000_000 - 1)) and bool(x.sum() == 4_000_000 * (4_000_000 - 1))
+        again = tasks()
+        released2, after2 = release()  # the new team goes the same way
+        print(before, with_team, released, after, correct, again, released2, after2)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    before, with_team, released, after = out.stdout.split()
+    before, with_team, released, after, correct, again, released2, after2 = out.stdout.split()
     assert int(with_team) == int(before) + 2, out.stdout  # the parallel region started a team
     assert released == "True"
     assert int(after) == int(before), out.stdout  # and the release ended it
+    # Not a one-way switch: the same thread computes again, right, with a new team, released again.
+    assert correct == "True", out.stdout
+    assert int(again) == int(before) + 2, out.stdout
+    assert released2 == "True" and int(after2) == int(before), out.stdout
 
 
-def test_release_is_harmless_when_called_twice():
-    assert release_caller_openmp_threads() in (True, False)
-    assert release_caller_openmp_threads() in (True, False)
+def test_release_is_a_no_op_where_the_runtime_lacks_it(monkeypatch):
+    """No `omp_pause_resource_all` in the process (no OpenMP, or not libgomp 5.0): False, nothing raised."""
+    import ctypes
+
+    class NoOpenMP:
+        def __init__(self, name):
+            pass
+
+        def __getattr__(self, symbol):
+            raise AttributeError(symbol)
+
+    monkeypatch.setattr(ctypes, "CDLL", NoOpenMP)
+    assert release_caller_openmp_threads() is False
 
 
 @pytest.mark.parametrize("package", STREAMING)
