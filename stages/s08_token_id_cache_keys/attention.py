@@ -41,6 +41,7 @@ class PrefillAttention:
         )  # [N, Hq, T, D]
         return out.transpose(1, 2)
 
+
 class DecodeAttention:
     """A batch of sequences, one new token each, attending over their paged context.
 
