@@ -4,8 +4,9 @@
 
 FastAPI + uvicorn (the stack vLLM and SGLang use) in front of the stage's `SchedulerManager`:
 the event loop only parses, validates and writes bytes; the manager's worker thread runs the
-model, as it does in-process. Each request's blocking `RequestHandle` is drained by a small
-thread that hands chunks to the event loop, so a slow client never stalls the worker.
+model, as it does in-process. The worker's put on a request's queue wakes the event loop (a
+listener on the handle), which drains it without blocking: no thread per request, and a slow
+client never stalls the worker (its chunks wait in its queue).
 A dropped client cancels its request (its KV blocks go back to the pool); SIGINT/SIGTERM end
 every in-flight request, answer 503 to new ones, and release the port.
 The stage comes from the registry (common/stages.py): this file imports no stage.
@@ -16,11 +17,11 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -33,7 +34,6 @@ from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice
                                     parse_completion, parse_json, sse, usage)
 
 SHUTTING_DOWN = "the server is shutting down"
-MAX_IN_FLIGHT = 1024  # requests streamed at once; more wait for a pump thread (the KV pool runs out long before)
 
 
 @dataclass
@@ -44,11 +44,6 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-
-
-@dataclass
-class _End:
-    result: Any  # the final Completion, or the request's exception
 
 
 class ServeState:
@@ -63,8 +58,6 @@ class ServeState:
         self.shutting_down = False
         self._closed = threading.Event()
         self._to_submit: list[tuple[ParsedRequest, asyncio.Future]] = []  # parsed this loop iteration
-        # One thread per request in flight drains its handle; pooled, so a burst does not start 64.
-        self.pumps = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="stagewise-serve")
 
     def submit(self, req: ParsedRequest) -> "asyncio.Future[Any]":
         """add_request, deferred to the end of this event-loop iteration with every other request
@@ -97,8 +90,7 @@ class ServeState:
         threading.Thread(target=self._close, name="stagewise-serve-close", daemon=True).start()
 
     def _close(self) -> None:
-        self.manager.close()  # every handle ends, so every pump returns
-        self.pumps.shutdown(wait=True)
+        self.manager.close()  # every handle ends, so every stream gets its end
         self._closed.set()
 
     def wait_closed(self, timeout: float) -> bool:
@@ -111,18 +103,18 @@ class ServeState:
         return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
 
 
-def _pump(handle: Any, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) -> None:
-    """Drain a blocking RequestHandle onto the event loop's queue (one thread per request)."""
-    try:
-        for chunk in handle:
-            loop.call_soon_threadsafe(inbox.put_nowait, chunk)
-        item: Any = handle.result()
-    except BaseException as exc:  # the request's own error travels to its client
-        item = exc
-    try:
-        loop.call_soon_threadsafe(inbox.put_nowait, _End(item))
-    except RuntimeError:  # the loop is gone (server stopped): nobody is waiting
-        pass
+def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """An event set (on the loop) whenever the worker puts something on the request's queue."""
+    ready = asyncio.Event()
+
+    def on_put() -> None:  # in the worker's thread: hand over, never raise
+        try:
+            loop.call_soon_threadsafe(ready.set)
+        except RuntimeError:  # the loop is closed (server stopped): nobody is waiting
+            pass
+
+    handle.set_listener(on_put)
+    return ready
 
 
 class EventStream(StreamingResponse):
@@ -177,36 +169,33 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
         raise
     except RuntimeError as exc:  # closed between the check and the call
         raise APIError(503, f"{SHUTTING_DOWN} ({exc})", type_="service_unavailable") from None
-    loop = asyncio.get_running_loop()
-    inbox: asyncio.Queue = asyncio.Queue()
-    try:
-        state.pumps.submit(_pump, handle, loop, inbox)
-    except RuntimeError:  # the pumps shut down after add_request went through
-        handle.cancel()
-        raise APIError(503, SHUTTING_DOWN, type_="service_unavailable") from None
+    ready = _wake_on_put(handle, asyncio.get_running_loop())
     matcher, n_tokens, ended, stopped = StopMatcher(req.stop), 0, False, False
     try:
         while True:
-            item = await inbox.get()
-            if isinstance(item, _End):
-                ended = True
-                result = item.result
-                if isinstance(result, BaseException):
-                    raise _api_error(result)
-                if result.finish_reason == "cancelled" and not stopped:
-                    raise APIError(503, f"{SHUTTING_DOWN}: request cancelled", type_="service_unavailable")
-                reason = "stop" if stopped else result.finish_reason
-                n = n_tokens if stopped else len(result.token_ids)
-                yield Delta(matcher.flush(), reason, len(result.prompt_token_ids), n)
-                return
-            if stopped:
-                continue  # tokens decoded before the cancel landed: not part of the answer
-            n_tokens += len(item.token_ids)
-            text, stopped = matcher.feed(item.text)
-            if stopped:
-                handle.cancel()
-            if text or not stopped:
-                yield Delta(text)
+            await ready.wait()
+            ready.clear()  # before draining: a put from here on sets it again
+            chunks, result = handle.drain()
+            for chunk in chunks:
+                if stopped:
+                    break  # tokens decoded before the cancel landed: not part of the answer
+                n_tokens += len(chunk.token_ids)
+                text, stopped = matcher.feed(chunk.text)
+                if stopped:
+                    handle.cancel()
+                if text or not stopped:
+                    yield Delta(text)
+            if result is None:
+                continue
+            ended = True
+            if isinstance(result, BaseException):
+                raise _api_error(result)
+            if result.finish_reason == "cancelled" and not stopped:
+                raise APIError(503, f"{SHUTTING_DOWN}: request cancelled", type_="service_unavailable")
+            reason = "stop" if stopped else result.finish_reason
+            n = n_tokens if stopped else len(result.token_ids)
+            yield Delta(matcher.flush(), reason, len(result.prompt_token_ids), n)
+            return
     finally:
         if not ended:
             handle.cancel()
@@ -286,7 +275,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
 
 
 def build_app(state: ServeState) -> FastAPI:
-    """The four endpoints over one ServeState."""
+    """`/health`, `/v1/models` and FastAPI's answers to everything else (GenerationRoutes has the two POSTs)."""
     app = FastAPI(title="stagewise", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
 
@@ -311,21 +300,46 @@ def build_app(state: ServeState) -> FastAPI:
                 "max_model_len": state.max_model_len}
         return _json({"object": "list", "data": [card]})
 
-    async def completions(request: Request) -> Response:
-        req = parse_completion(parse_json(await request.body()), len(state.tokenizer))
-        return await _respond(state, request, req, chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        req = parse_chat(parse_json(await request.body()), state.tokenizer, state.max_model_len)
-        return await _respond(state, request, req, chat=True)
-
-    # Plain Starlette routes, not @app.post: these two read their own JSON (so a bad field gets
-    # OpenAI's 400, not FastAPI's 422), and FastAPI's per-request dependency solving and wrappers
-    # would be work for nothing. Profiled, that work was a third of the app's time per request,
-    # paid 64 times over by a burst's TTFT. The app's error handlers apply all the same.
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
+
+
+class GenerationRoutes:
+    """The ASGI app uvicorn runs: the two generation endpoints here, everything else FastAPI's.
+
+    Why not `@app.post`: these two read their own JSON (so a bad field gets OpenAI's 400, not
+    FastAPI's 422), and FastAPI's way to them is a stack of nine ASGI layers (error and
+    exception middleware, body limit, telemetry, exit stack, router, request wrapper), each
+    entered for the request and again for every chunk sent. A burst pays it 64 times over in
+    its TTFT: the prefill starts only after the last request is parsed, and the median request's
+    first token is written after half the others'. So the hot path is a plain ASGI call; the
+    other routes (`/health`, `/v1/models`, unknown paths, wrong methods) and their error
+    handling stay FastAPI's.
+    """
+
+    def __init__(self, state: ServeState) -> None:
+        self.state = state
+        self.app = build_app(state)
+        self.routes = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        chat = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if chat is None:
+            return await self.app(scope, receive, send)
+        request = Request(scope, receive)
+        try:
+            if scope["method"] != "POST":
+                raise APIError(405, "Method Not Allowed", type_="invalid_request_error")
+            state = self.state
+            body = parse_json(await request.body())
+            req = (parse_chat(body, state.tokenizer, state.max_model_len) if chat
+                   else parse_completion(body, len(state.tokenizer)))
+            response = await _respond(state, request, req, chat)
+        except APIError as exc:
+            response = _json(exc.body(), exc.status)
+        except Exception as exc:  # a bug: answer in OpenAI's shape, and say what it was in the log
+            logging.getLogger("stagewise.serve").exception("request failed")
+            response = _json(APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error").body(), 500)
+        await response(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------- running it
@@ -357,8 +371,8 @@ def make_server(state: ServeState, sock: socket.socket, log_level: str = "warnin
             # main()'s clean-up and exit 0; the shutdown was graceful, so forget it.
             getattr(self, "_captured_signals", []).clear()
 
-    config = uvicorn.Config(build_app(state), log_level=log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=30)
+    config = uvicorn.Config(GenerationRoutes(state), log_level=log_level, access_log=False, lifespan="off",
+                            proxy_headers=False, timeout_graceful_shutdown=30)
     return _Server(config)
 
 

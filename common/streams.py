@@ -1,9 +1,10 @@
 """What a SchedulerManager hands its callers: a RequestHandle per request, StreamChunks on it.
 
 These never change from stage 04 on (only the manager behind them does), so they live here
-once. The worker puts `StreamChunk`s on a request's own queue as tokens are flushed, then one
-`Done` (the final Completion) or `Failed` (the request's own error); the handle turns that queue
-into an iterator of chunks and a blocking `result()`.
+once. The worker puts `StreamChunk`s on a request's own `ChunkQueue` as tokens are flushed, then
+one `Done` (the final Completion) or `Failed` (the request's own error); the handle turns that
+queue into an iterator of chunks and a blocking `result()` for threads, and into `drain()` plus
+a put listener for an event loop (`stagewise serve`), which then needs no thread per request.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from common.requests import Completion, Request
 
@@ -51,6 +52,36 @@ class StreamState:
     text: str = ""
 
 
+class ChunkQueue(queue.Queue):
+    """A request's queue: a plain `queue.Queue` that can also call a listener after every put.
+
+    Why: a thread blocked in `get()` per request is how a Python caller reads a stream, but a
+    server holding 64 streams would keep 64 threads, each woken by every token and each taking
+    the GIL back from the worker in the middle of its decode step. With a listener (set by the
+    event loop that serves the request) the worker's `put` itself tells the loop, and the loop
+    drains the queue without blocking: one hop per token, no thread in between. vLLM's
+    `AsyncLLM` feeds its per-request output queues from one task the same way.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._listener: Callable[[], None] | None = None
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        listener = self._listener
+        if listener is not None:
+            listener()  # runs in the putting thread (the worker): must be quick and never raise
+
+    def set_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after every put from now on, and once now if items are waiting."""
+        with self.mutex:
+            self._listener = listener
+            waiting = self._qsize() > 0
+        if waiting:
+            listener()
+
+
 class _Cancels(Protocol):
     def cancel(self, request_id: int) -> None: ...
 
@@ -58,11 +89,12 @@ class _Cancels(Protocol):
 class RequestHandle:
     """What `add_request` returns: iterate it for StreamChunks, or wait for the final Completion."""
 
-    def __init__(self, manager: _Cancels, request_id: int, out: "queue.Queue[Any]") -> None:
+    def __init__(self, manager: _Cancels, request_id: int, out: ChunkQueue) -> None:
         self.request_id = request_id
         self._manager = manager
         self._out = out
         self._final: Completion | BaseException | None = None
+        self._cancel_sent = False
 
     def __iter__(self) -> Iterator[StreamChunk]:
         while self._final is None:
@@ -91,5 +123,28 @@ class RequestHandle:
             raise self._final
         return self._final
 
+    def drain(self) -> tuple[list[StreamChunk], Completion | BaseException | None]:
+        """Without blocking: the chunks that have arrived, and the end (Completion or the
+        request's error) if it has come. For an event loop woken by `set_listener`."""
+        chunks: list[StreamChunk] = []
+        while self._final is None:
+            try:
+                item = self._out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, StreamChunk):
+                chunks.append(item)
+            else:
+                self._final = item.completion if isinstance(item, Done) else item.error
+        return chunks, self._final
+
+    def set_listener(self, listener: Callable[[], None]) -> None:
+        """Have `listener()` called (in the worker's thread) whenever something arrives."""
+        self._out.set_listener(listener)
+
     def cancel(self) -> None:
+        """Stop the request. Once: a second call, or one after its end was read, does nothing."""
+        if self._cancel_sent or self._final is not None:
+            return
+        self._cancel_sent = True
         self._manager.cancel(self.request_id)

@@ -152,6 +152,27 @@ def test_32_concurrent_streaming_clients(live) -> None:
     assert _wait(lambda: live.blocks_in_use() == 0)
 
 
+def test_streams_take_no_thread_per_request(loaded) -> None:
+    """Open streams are read by the event loop (a listener on each request's queue), not by a
+    thread each: 16 streams in flight leave the server's thread count where it was."""
+    server = LiveServer(loaded, slow_s=0.05, max_batch_size=16)
+    try:
+        def server_threads() -> int:  # the test's own client threads are ThreadPoolExecutor-*
+            return sum(not t.name.startswith("ThreadPoolExecutor") for t in threading.enumerate())
+
+        before = server_threads()
+        streams = [server.client.completions.create(model="tiny", prompt=f"Hello #{i}", max_tokens=100,
+                                                    temperature=0, stream=True) for i in range(16)]
+        firsts = [next(iter(s)) for s in streams]  # every stream has started: all 16 are in flight
+        assert len(firsts) == 16 and server.state.manager.scheduler.has_unfinished()
+        assert server_threads() <= before
+        for s in streams:
+            s.close()
+        assert _wait(lambda: server.blocks_in_use() == 0)
+    finally:
+        server.stop()
+
+
 def test_sampling_with_seed_repeats(live) -> None:
     ask = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
                extra_body={"top_k": 50})
@@ -239,6 +260,30 @@ def test_bad_input_answered_in_openai_shape(live, path, body, status, param) -> 
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # still serving
 
 
+def test_wrong_method_and_unknown_path_in_openai_shape(live) -> None:
+    """The generation routes answer their own 405; every other path is still FastAPI's 404."""
+    for method, path, status in [("GET", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405),
+                                 ("POST", "/v1/embeddings", 404), ("GET", "/nothing", 404)]:
+        resp = httpx.request(method, live.url + path, timeout=10)
+        assert resp.status_code == status, (method, path)
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_unexpected_error_is_a_500_in_openai_shape(live, monkeypatch) -> None:
+    """A bug while handling one request answers 500 with the error object; serving goes on."""
+    import common.serve
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(common.serve, "parse_completion", broken)
+    resp = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi"}, timeout=10)
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "internal_error" and "boom" in resp.json()["error"]["message"]
+    monkeypatch.undo()
+    assert live.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
+
+
 def test_openai_client_raises_on_refusals(live) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         live.client.completions.create(model="tiny", prompt="Hi", n=3)
@@ -253,6 +298,8 @@ def test_a_prompt_the_kv_pool_can_never_hold_is_a_400(loaded) -> None:
     try:
         with pytest.raises(openai.BadRequestError, match="kv cache"):
             server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="kv cache"):  # a stream too: no 200 before a token
+            server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4, stream=True)
         assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # it goes on
     finally:
         server.stop()

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.requests import Completion, Request, SamplingParams
-from common.streams import Done, Failed, Pending, RequestHandle, StreamChunk, StreamState
+from common.streams import ChunkQueue, Done, Failed, Pending, RequestHandle, StreamChunk, StreamState
 from common.threads import release_caller_openmp_threads
 from common.tokenizer import IncrementalDetokenizer, encode
 
@@ -82,7 +82,7 @@ class SchedulerManager:
         """Queue a request and return at once. Bad input fails this request's stream, nothing else."""
         submitted = time.perf_counter()
         rid = next(self._ids)
-        out: queue.Queue[Any] = queue.Queue()
+        out = ChunkQueue()
         handle = RequestHandle(self, rid, out)
         with self._lock:
             if not self._running:
