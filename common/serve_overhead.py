@@ -9,7 +9,9 @@ process, a consumer thread per request), then a run over HTTP, then the other or
 on. Why paired: this machine's speed drifts by 20 % and more from minute to minute, a burst's
 TTFT is most of a second of prefill, and the target is 5 ms; two runs seconds apart on one
 engine see the same machine, so their difference is HTTP's, and the median over pairs is the
-figure. The JSON keeps both sides whole, every pair, and the env of the run.
+figure. The JSON keeps both sides whole, every pair, and the env of the run. Each HTTP run also
+records the CPU time of the server's thread, uvicorn's event loop, where all of HTTP's work is
+done (`loop_cpu_us_per_request`): a cost that swings far less with the machine than a TTFT.
 """
 from __future__ import annotations
 
@@ -105,6 +107,12 @@ class Server:
             time.sleep(0.02)
         gc.collect()
         gc.freeze()  # as `stagewise serve` does after start-up
+        assert self.thread.ident is not None
+        self._loop_clock = time.pthread_getcpuclockid(self.thread.ident)
+
+    def loop_cpu_s(self) -> float:
+        """CPU seconds the server's thread (uvicorn's event loop: all of HTTP's work) has used."""
+        return time.clock_gettime(self._loop_clock)
 
     def take_completions(self, timeout_s: float) -> list[Any]:
         """The server-side Completions (engine timings included) of the requests since the last call."""
@@ -163,7 +171,9 @@ def overhead(http: dict, local: dict, pairs: list[dict] | None = None) -> dict:
     else:
         loss = 100.0 * (1.0 - tput_http / tput_local) if tput_local else float("nan")
         added = http["ttft_ms"]["p50"] - local_ttft
+    loop_cpu = [p["loop_cpu_us_per_request"] for p in pairs or [] if p.get("loop_cpu_us_per_request") is not None]
     return {"throughput_loss_pct": loss, "ttft_p50_added_ms": added,
+            "loop_cpu_us_per_request": statistics.median(loop_cpu) if loop_cpu else None,
             "throughput_completion_tok_s": {"http": tput_http, "in_process": tput_local},
             "ttft_p50_ms": {"http": http["ttft_ms"]["p50"], "in_process": local_ttft,
                             "in_process_sampled": local["ttft_ms"]["p50"]},
@@ -205,6 +215,8 @@ def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict
             "ttft_p50_outside_prefill_ms": outside,
             "queue_wait_p50_ms": {"http": http_engine["queue_wait_ms"]["p50"], "in_process": local_run["queue_wait_ms"]["p50"]},
             "intake_span_ms": {"http": http_engine["intake_span_ms"], "in_process": local_run["intake_span_ms"]},
+            "loop_cpu_us_per_request": http_engine.get("loop_cpu_us_per_request"),
+            "loop_cpu_us_per_token": http_engine.get("loop_cpu_us_per_token"),
             "throughput_completion_tok_s": figures["throughput_completion_tok_s"]}
 
 
@@ -225,9 +237,13 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
             return {**summary, "intake_span_ms": intake_span_ms(server.take_completions(a.timeout_s))}
 
         def http_run() -> dict:
+            cpu0 = server.loop_cpu_s()
             client.run()
+            loop_cpu_ms = 1000.0 * (server.loop_cpu_s() - cpu0)
             completions = server.take_completions(a.timeout_s)  # the server's view: engine timings
-            return {**summarize(completions), "intake_span_ms": intake_span_ms(completions)}
+            return {**summarize(completions), "intake_span_ms": intake_span_ms(completions),
+                    "loop_cpu_ms": loop_cpu_ms, "loop_cpu_us_per_request": 1000.0 * loop_cpu_ms / len(completions),
+                    "loop_cpu_us_per_token": 1000.0 * loop_cpu_ms / max(1, sum(len(c.token_ids) for c in completions))}
 
         for w in range(a.warmup_runs):
             print(f"=== warmup {w + 1}/{a.warmup_runs}: in-process, then HTTP ===", flush=True)
@@ -273,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
               f"ms in-process", flush=True)
     print(f"HTTP cost (median of {len(pairs)} pairs): completion throughput {figures['throughput_loss_pct']:+.1f}% "
           f"lost (target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
-          f"(target <= {TARGETS['ttft_p50_added_ms']:g} ms)", flush=True)
+          f"(target <= {TARGETS['ttft_p50_added_ms']:g} ms); the event loop's CPU "
+          f"{figures['loop_cpu_us_per_request']:.0f} us per request ({a.max_new_tokens} tokens each)", flush=True)
     if a.json:  # shaped like a bench JSON: the HTTP side on top, the in-process side under `compare`
         write_json(a.json, {"kind": "serve-overhead", "command": shlex.join(["stagewise", "serve-overhead", *argv]),
                             **meta, "config": vars(a), "env": collect_env(meta["device"]),

@@ -525,6 +525,8 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
     for p in figures["pairs"]:
         assert p["prefill_p50_ms"]["http"] > 0 and p["prefill_p50_ms"]["in_process"] > 0
         assert p["intake_span_ms"]["http"] > 0 and p["intake_span_ms"]["in_process"] > 0  # 4 requests, 4 stamps
+        assert p["loop_cpu_us_per_request"] > 0 and p["loop_cpu_us_per_token"] > 0  # the event loop did the HTTP
+    assert figures["loop_cpu_us_per_request"] > 0
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
     assert result["env"]["git_commit"] and result["dtype"] == "float32"
 
