@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
@@ -336,6 +337,8 @@ class GenerationRoutes:
             response = await _respond(state, request, req, chat)
         except APIError as exc:
             response = _json(exc.body(), exc.status)
+        except ClientDisconnect:  # gone before its body arrived: nothing was submitted, nobody to answer
+            return
         except Exception as exc:  # a bug: answer in OpenAI's shape, and say what it was in the log
             logging.getLogger("stagewise.serve").exception("request failed")
             response = _json(APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error").body(), 500)
