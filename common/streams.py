@@ -96,13 +96,18 @@ class RequestHandle:
         self._final: Completion | BaseException | None = None
         self._cancel_sent = False
 
+    def _take(self, item: StreamChunk | Done | Failed) -> StreamChunk | None:
+        """A chunk as it is; the end (Done's Completion, Failed's error) kept as `_final`."""
+        if isinstance(item, StreamChunk):
+            return item
+        self._final = item.completion if isinstance(item, Done) else item.error
+        return None
+
     def __iter__(self) -> Iterator[StreamChunk]:
         while self._final is None:
-            item = self._out.get()
-            if isinstance(item, StreamChunk):
-                yield item
-            else:
-                self._final = item.completion if isinstance(item, Done) else item.error
+            chunk = self._take(self._out.get())
+            if chunk is not None:
+                yield chunk
         if isinstance(self._final, BaseException):
             raise self._final
 
@@ -115,10 +120,7 @@ class RequestHandle:
                 item = self._out.get(timeout=remaining)
             except queue.Empty:
                 raise TimeoutError(f"request {self.request_id} not finished after {timeout} s") from None
-            if isinstance(item, Done):
-                self._final = item.completion
-            elif isinstance(item, Failed):
-                self._final = item.error
+            self._take(item)  # chunks are skipped: only the end counts here
         if isinstance(self._final, BaseException):
             raise self._final
         return self._final
@@ -129,13 +131,11 @@ class RequestHandle:
         chunks: list[StreamChunk] = []
         while self._final is None:
             try:
-                item = self._out.get_nowait()
+                chunk = self._take(self._out.get_nowait())
             except queue.Empty:
                 break
-            if isinstance(item, StreamChunk):
-                chunks.append(item)
-            else:
-                self._final = item.completion if isinstance(item, Done) else item.error
+            if chunk is not None:
+                chunks.append(chunk)
         return chunks, self._final
 
     def set_listener(self, listener: Callable[[], None]) -> None:
