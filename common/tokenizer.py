@@ -12,12 +12,32 @@ from typing import Any
 _REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) a complete UTF-8 char
 
 
+def rust_tokenizer(tokenizer: Any, decoding: bool = False) -> Any | None:
+    """The `tokenizers` object behind a fast HF tokenizer, where calling it gives what HF gives.
+
+    Why: HF's `encode`/`decode` wrap the Rust call in Python that costs more than the call itself
+    (SmolLM2 on this CPU: a short prompt 88 us through HF, 52 us direct; decoding a few ids 7.5 us
+    against 2 us). A server pays it on every request's intake and the worker on every token.
+    The wrapper does nothing else for us unless the tokenizer splits special tokens, or (when
+    decoding) cleans up spaces; then, and for slow tokenizers, this is None and HF is called.
+    """
+    rust = getattr(tokenizer, "backend_tokenizer", None)  # only fast tokenizers have one
+    if rust is None or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    if decoding and getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return rust
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of `text` with add_special_tokens=False (as the posts do).
 
     No BOS is prepended, so a prompt's ids are exactly what the text (or chat template) says;
     chat templates already spell out their special tokens.
     """
+    rust = rust_tokenizer(tokenizer)
+    if rust is not None:
+        return rust.encode(text, add_special_tokens=False).ids
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -48,6 +68,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._rust = rust_tokenizer(tokenizer, decoding=True)  # two decodes a token: skip HF's wrapper
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window (first id of the last emitted chunk)
@@ -76,7 +97,8 @@ class IncrementalDetokenizer:
         return self._advance(force=True)
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+        decoder = self._rust if self._rust is not None else self._tokenizer
+        return decoder.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
 
     def _advance(self, force: bool) -> str:
         if self._read_offset == len(self._ids):

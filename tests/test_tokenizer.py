@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from common.tokenizer import IncrementalDetokenizer, chat_prompt, encode
+from common.tokenizer import IncrementalDetokenizer, chat_prompt, encode, rust_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -52,6 +52,32 @@ def test_encode_adds_no_special_tokens(tokenizer) -> None:
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     assert not set(ids) & set(tokenizer.all_special_ids)
     assert encode(tokenizer, "") == []
+
+
+SPECIAL_TEXTS = ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>b", " <|im_end|> "]
+
+
+@pytest.mark.parametrize("text", TEXTS + SPECIAL_TEXTS)
+def test_encode_skips_hf_wrapper_with_the_same_ids(tokenizer, text: str) -> None:
+    """encode() calls the Rust tokenizer directly: the ids must be HF encode's, special tokens too."""
+    assert rust_tokenizer(tokenizer) is not None  # SmolLM2's is a fast tokenizer: the direct path runs
+    assert encode(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_hf_is_called_where_its_wrapper_changes_the_result(tokenizer) -> None:
+    """split_special_tokens changes encoding and clean_up_tokenization_spaces decoding: HF's wrapper
+    does that part, so those tokenizers (and slow ones, with no Rust backend) go through HF."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.split_special_tokens = True
+    text = SPECIAL_TEXTS[0]
+    assert rust_tokenizer(tok) is None
+    assert encode(tok, text) == tok.encode(text, add_special_tokens=False) != encode(tokenizer, text)
+    tok = copy.deepcopy(tokenizer)
+    tok.clean_up_tokenization_spaces = True
+    assert rust_tokenizer(tok) is not None and rust_tokenizer(tok, decoding=True) is None
+    assert rust_tokenizer(CountingTokenizer(tokenizer)) is None  # no backend_tokenizer: HF's calls
 
 
 def test_chat_prompt_uses_the_template(tokenizer) -> None:
