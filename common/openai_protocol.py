@@ -9,8 +9,8 @@ for it must not get an answer that silently ignored it.
 from __future__ import annotations
 
 import json
+import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,8 +287,11 @@ class StopMatcher:
 
 # ----------------------------------------------------------------------------- responses
 
+_ID_BITS = random.Random()  # seeded from os.urandom once; uuid4 would read it again for every request
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return f"{prefix}-{_ID_BITS.getrandbits(96):024x}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -18,12 +18,15 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _is_int(x: Any) -> bool:
-    """True for Python/numpy ints but not bools (True would silently mean 1)."""
-    return isinstance(x, Integral) and not isinstance(x, bool)
+    """True for Python/numpy ints but not bools (True would silently mean 1).
+
+    A plain int is answered before the ABC check, which costs ~10x more: a server checks every
+    id of every token-id prompt it is sent."""
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
 
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
+    return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 
 
 @dataclass

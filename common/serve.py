@@ -56,6 +56,7 @@ class ServeState:
         self.stage = stage
         self.tokenizer = manager.engine.tokenizer
         self.max_model_len = int(manager.engine.max_model_len)
+        self.vocab_size = len(self.tokenizer)  # token-id prompts are checked against it
         self.shutting_down = False
         self._closed = threading.Event()
         self._to_submit: list[tuple[ParsedRequest, asyncio.Future]] = []  # parsed this loop iteration
@@ -304,6 +305,19 @@ def build_app(state: ServeState) -> FastAPI:
     return app
 
 
+async def read_body(receive: Any) -> bytes:
+    """The request's body, straight from ASGI's receive (Starlette's Request.body() streams it
+    through two more generators); ClientDisconnect if the client leaves first, as Starlette."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
 class GenerationRoutes:
     """The ASGI app uvicorn runs: the two generation endpoints here, everything else FastAPI's.
 
@@ -331,9 +345,9 @@ class GenerationRoutes:
             if scope["method"] != "POST":
                 raise APIError(405, "Method Not Allowed", type_="invalid_request_error")
             state = self.state
-            body = parse_json(await request.body())
+            body = parse_json(await read_body(receive))
             req = (parse_chat(body, state.tokenizer, state.max_model_len) if chat
-                   else parse_completion(body, len(state.tokenizer)))
+                   else parse_completion(body, state.vocab_size))
             response = await _respond(state, request, req, chat)
         except APIError as exc:
             response = _json(exc.body(), exc.status)
