@@ -31,6 +31,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.http_transport import bind_socket, http_protocol
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, usage)
 
@@ -259,19 +260,19 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
                 if d.text or is_first:
                     yield sse(envelope(chat, rid, state.model_name, [choice(chat, d.text, None, is_first)], True))
                     is_first = False
-                if d.finish_reason is not None:
-                    yield sse(envelope(chat, rid, state.model_name, [choice(chat, "", d.finish_reason)], True))
+                if d.finish_reason is not None:  # the finish, the usage and [DONE]: one write
+                    last = [sse(envelope(chat, rid, state.model_name, [choice(chat, "", d.finish_reason)], True))]
                     if req.include_usage:
                         tail = envelope(chat, rid, state.model_name, [], True)
                         tail["usage"] = usage(d.prompt_tokens, d.completion_tokens)
-                        yield sse(tail)
-                    break
+                        last.append(sse(tail))
+                    yield "".join(last) + sse("[DONE]")
+                    return
                 d = await agen.__anext__()
         except APIError as exc:  # mid-stream: the status line is sent; the error travels as an event
-            yield sse(exc.body())
+            yield sse(exc.body()) + sse("[DONE]")
         finally:
             await agen.aclose()
-        yield sse("[DONE]")
 
     return EventStream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -361,21 +362,6 @@ class GenerationRoutes:
 
 # ----------------------------------------------------------------------------- running it
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before uvicorn starts, so `--port 0` works and the real port can be printed.
-
-    IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
-    connections accepted from a socket that says it is TCP. With Nagle on, a streamed response
-    is a small write (the headers) followed by another (the first token): the second waits for
-    the client's delayed ACK, 40 ms on Linux, on every request's first token.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
 def make_server(state: ServeState, sock: socket.socket, log_level: str = "warning") -> Any:
     """A uvicorn Server whose SIGINT/SIGTERM first ends the in-flight requests, then stops."""
     import uvicorn
@@ -388,7 +374,7 @@ def make_server(state: ServeState, sock: socket.socket, log_level: str = "warnin
             # main()'s clean-up and exit 0; the shutdown was graceful, so forget it.
             getattr(self, "_captured_signals", []).clear()
 
-    config = uvicorn.Config(GenerationRoutes(state), log_level=log_level, access_log=False, lifespan="off",
+    config = uvicorn.Config(GenerationRoutes(state), http=http_protocol(), log_level=log_level, access_log=False, lifespan="off",
                             proxy_headers=False, timeout_graceful_shutdown=30)
     return _Server(config)
 

@@ -1,0 +1,90 @@
+"""common/http_transport.py: a response's head leaves with its first body part, in one write."""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.http_transport import HeadWithBody, http_protocol
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+CHUNK = b"1a\r\ndata: {\"text\": \"Hi\"}\n\n\r\n"
+
+
+class Recorder:
+    """A transport that records each write (one write = one send() system call)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default=None):
+        return ("127.0.0.1", 1234) if name == "peername" else default
+
+
+def test_head_waits_for_the_first_body_part_and_goes_with_it() -> None:
+    async def main() -> list[bytes]:
+        inner = Recorder()
+        t = HeadWithBody(inner, asyncio.get_running_loop())
+        t.write(HEAD)
+        assert inner.writes == []  # held
+        t.write(CHUNK)
+        t.write(CHUNK)
+        await asyncio.sleep(0)  # the safety net runs, and finds nothing held
+        return inner.writes
+
+    assert asyncio.run(main()) == [HEAD + CHUNK, CHUNK]
+
+
+def test_a_head_with_no_body_in_the_same_pass_goes_alone() -> None:
+    async def main() -> Recorder:
+        inner = Recorder()
+        t = HeadWithBody(inner, asyncio.get_running_loop())
+        t.write(HEAD)
+        await asyncio.sleep(0)
+        assert inner.writes == [HEAD]
+        t.write(CHUNK)
+        return inner
+
+    assert asyncio.run(main()).writes == [HEAD, CHUNK]
+
+
+def test_close_sends_a_held_head_first_and_the_rest_is_the_transports() -> None:
+    async def main() -> Recorder:
+        inner = Recorder()
+        t = HeadWithBody(inner, asyncio.get_running_loop())
+        assert t.get_extra_info("peername") == ("127.0.0.1", 1234)
+        t.write(HEAD)
+        t.close()
+        assert t.is_closing()
+        await asyncio.sleep(0)
+        return inner
+
+    inner = asyncio.run(main())
+    assert inner.writes == [HEAD] and inner.closed
+
+
+def test_the_server_protocol_wraps_every_connection() -> None:
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    async def app(scope, receive, send) -> None:
+        pass
+
+    async def main() -> object:
+        config = uvicorn.Config(app, http=http_protocol(), lifespan="off")
+        config.load()
+        protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={},
+                                              _loop=asyncio.get_running_loop())
+        protocol.connection_made(Recorder())
+        return protocol.transport
+
+    assert isinstance(asyncio.run(main()), HeadWithBody)
