@@ -12,7 +12,8 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from json.encoder import encode_basestring  # json.dumps' own string encoder (C) with ensure_ascii=False
+from typing import Any, Callable
 
 from common.requests import SamplingParams, _is_int, _is_real
 
@@ -313,9 +314,25 @@ def choice(chat: bool, text: str, finish_reason: str | None, first: bool = False
     return out
 
 
-def envelope(chat: bool, rid: str, model: str, choices: list[dict], stream: bool) -> dict:
+def envelope(chat: bool, rid: str, model: str, choices: list[dict], stream: bool, created: int | None = None) -> dict:
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    created = int(time.time()) if created is None else created
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+
+
+def text_event(chat: bool, rid: str, model: str, created: int | None = None) -> Callable[[str], str]:
+    """A stream's text chunk as an SSE event, made from the text alone (chat: not the first chunk,
+    which also carries the role).
+
+    Why: the envelope around a token's text is the same for the whole stream, so it is rendered
+    once, and a token's event is that envelope's two halves around its JSON-encoded text. Through
+    json.dumps of a fresh dict every token, it was a fifth of the event loop's CPU per token. The
+    bytes are those of `sse(envelope(chat, rid, model, [choice(chat, text, None)], True))`.
+    """
+    marker = "\x00"  # a character JSON always escapes, so its encoding occurs nowhere else in the event
+    event = sse(envelope(chat, rid, model, [choice(chat, marker, None)], True, created))
+    head, tail = event.split(encode_basestring(marker))
+    return lambda text: head + encode_basestring(text) + tail
 
 
 def sse(data: dict | str) -> str:

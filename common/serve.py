@@ -25,15 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.http_transport import bind_socket, http_protocol
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
-                                    parse_completion, parse_json, sse, usage)
+                                    parse_completion, parse_json, sse, text_event, usage)
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -120,29 +119,46 @@ def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     return ready
 
 
-class EventStream(StreamingResponse):
-    """Starlette's StreamingResponse, streamed in the request's own task.
+class EventStream:
+    """A stream of Server-Sent Events, written straight to ASGI's `send` in the request's own task.
 
-    Why not StreamingResponse as it is: under uvicorn (ASGI spec 2.3) it runs the stream in a new
-    task of a per-response task group, and a new task first runs one event-loop pass later. In a
-    burst the loop makes all 64 responses in one pass and streams them in the next, so the median
-    request's first token waits for the whole burst's set-up. Here the headers and the first chunk
-    are written in the same pass that makes the response; a small watcher task cancels the stream
-    (through an anyio cancel scope, as the task group does) when the client goes away.
+    Why not Starlette's StreamingResponse: under uvicorn (ASGI spec 2.3) it runs the stream in a
+    new task of a per-response task group, and a new task first runs one event-loop pass later.
+    In a burst the loop makes all 64 responses in one pass and streams them in the next, so the
+    median request's first token waits for the whole burst's set-up. Its cancel scope, task group
+    and header building also cost more than writing the first chunk. Here the head and the first
+    chunk are written in the pass that makes the response; a small watcher task cancels this one
+    when the client goes away (events()' finally then cancels the request, freeing its blocks).
     """
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        with anyio.CancelScope() as cancel_scope:
-            async def cancel_on_disconnect() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                cancel_scope.cancel()  # ends stream_response; events()' finally cancels the request
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
-            watcher = asyncio.ensure_future(cancel_on_disconnect())
-            try:
-                await self.stream_response(send)
-            finally:
-                watcher.cancel()
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task, gone = asyncio.current_task(), False
+
+        async def cancel_on_disconnect() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(cancel_on_disconnect())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+            async for text in self.events:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # cancelled from outside (server shutdown): not ours to swallow
+            if hasattr(task, "uncancel"):  # Python 3.11+: the cancel we asked for is handled
+                task.uncancel()
+        finally:
+            watcher.cancel()
 
 
 def _api_error(exc: BaseException) -> APIError:
@@ -252,18 +268,23 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
         body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
         return _json(body)
 
+    created = int(time.time())
+    text_chunk = text_event(chat, rid, state.model_name, created)
+
     async def events() -> AsyncIterator[str]:
         is_first, d = True, first
         try:
             while True:
                 # A finish rides on its own chunk, after the text, as OpenAI sends it.
-                if d.text or is_first:
-                    yield sse(envelope(chat, rid, state.model_name, [choice(chat, d.text, None, is_first)], True))
+                if is_first:
+                    yield sse(envelope(chat, rid, state.model_name, [choice(chat, d.text, None, True)], True, created))
                     is_first = False
+                elif d.text:
+                    yield text_chunk(d.text)
                 if d.finish_reason is not None:  # the finish, the usage and [DONE]: one write
-                    last = [sse(envelope(chat, rid, state.model_name, [choice(chat, "", d.finish_reason)], True))]
+                    last = [sse(envelope(chat, rid, state.model_name, [choice(chat, "", d.finish_reason)], True, created))]
                     if req.include_usage:
-                        tail = envelope(chat, rid, state.model_name, [], True)
+                        tail = envelope(chat, rid, state.model_name, [], True, created)
                         tail["usage"] = usage(d.prompt_tokens, d.completion_tokens)
                         last.append(sse(tail))
                     yield "".join(last) + sse("[DONE]")
@@ -274,7 +295,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
         finally:
             await agen.aclose()
 
-    return EventStream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return EventStream(events())
 
 
 def build_app(state: ServeState) -> FastAPI:

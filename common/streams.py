@@ -73,6 +73,14 @@ class ChunkQueue(queue.Queue):
         if listener is not None:
             listener()  # runs in the putting thread (the worker): must be quick and never raise
 
+    def take_all(self) -> list[Any]:
+        """Everything waiting, at once and without blocking: one lock round, not one per item."""
+        with self.mutex:
+            items = list(self.queue)
+            self.queue.clear()
+            self.not_full.notify_all()
+        return items
+
     def set_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` after every put from now on, and once now if items are waiting."""
         with self.mutex:
@@ -129,13 +137,11 @@ class RequestHandle:
         """Without blocking: the chunks that have arrived, and the end (Completion or the
         request's error) if it has come. For an event loop woken by `set_listener`."""
         chunks: list[StreamChunk] = []
-        while self._final is None:
-            try:
-                chunk = self._take(self._out.get_nowait())
-            except queue.Empty:
-                break
-            if chunk is not None:
-                chunks.append(chunk)
+        if self._final is None:
+            for item in self._out.take_all():  # the end, when there, is the last item
+                chunk = self._take(item)
+                if chunk is not None:
+                    chunks.append(chunk)
         return chunks, self._final
 
     def set_listener(self, listener: Callable[[], None]) -> None:

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from common import stages as registry
-from common.openai_protocol import StopMatcher
+from common.openai_protocol import StopMatcher, choice, envelope, sse, text_event
 from common.serve import ServeState, bind_socket, make_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -549,3 +549,11 @@ def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
     serve.add_serve_args(p)
     with pytest.raises(SystemExit, match="stage 4 or later"):
         serve.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_event_is_the_dict_path_byte_for_byte(chat: bool) -> None:
+    """A token's SSE event from the per-stream template equals json.dumps of the whole chunk."""
+    make = text_event(chat, "cmpl-1", "tiny", created=123)
+    for text in ["Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é 中文 🙂", "\x00\x1f", "</script>", "data: x\n\n"]:
+        assert make(text) == sse(envelope(chat, "cmpl-1", "tiny", [choice(chat, text, None)], True, created=123))

@@ -102,3 +102,14 @@ def test_cancel_reaches_the_manager_once_and_not_after_the_end() -> None:
     ended.drain()
     ended.cancel()  # its end was read: nothing left to stop
     assert manager.calls == [4]
+
+
+def test_take_all_empties_the_queue_in_order() -> None:
+    out = ChunkQueue()
+    items = [StreamChunk(t, [i]) for i, t in enumerate("abc")]
+    for item in items:
+        out.put(item)
+    assert out.take_all() == items
+    assert out.empty() and out.take_all() == []
+    out.put(items[0])  # still a working queue afterwards
+    assert out.get(timeout=1) is items[0]
