@@ -125,7 +125,8 @@ class InferenceEngine:
         alive [B]: True for rows that still need another step.
         """
         live = [b for b, r in enumerate(rows) if not r.finished]
-        tokens = sample_tokens(logits[live], [rows[b].params for b in live], [rows[b].generator for b in live])
+        scores = logits if len(live) == len(rows) else logits[live]  # all live: no copy of the [B, V] logits
+        tokens = sample_tokens(scores, [rows[b].params for b in live], [rows[b].generator for b in live])
         now = time.perf_counter()
         next_ids = [self.pad_token_id] * len(rows)
         for b, tok in zip(live, tokens):

@@ -198,7 +198,8 @@ class InferenceEngine:
         logits = torch.cat([self.prefill(s) for s in sessions])  # [B, V]
         while True:
             live = [i for i, s in enumerate(sessions) if not s.finished]
-            self.sample_and_record([sessions[i] for i in live], logits[live])
+            scores = logits if len(live) == len(sessions) else logits[live]  # all live: no copy of the [B, V] logits
+            self.sample_and_record([sessions[i] for i in live], scores)
             if all(s.finished for s in sessions):
                 break
             logits = self.decode_step_sessions(sessions)
