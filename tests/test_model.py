@@ -212,3 +212,25 @@ def test_smollm2_logits_match_hf():
     diff = (ours - ref).abs().max().item()
     assert diff < 1e-3, f"max |ours - hf| = {diff}"
     assert torch.equal(ours[0].argmax(-1), ref[0].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_hf_rope_to_the_bit(tiny_loaded, dtype):
+    """apply_rope rolls x and keeps rotate_half's minus sign in sin (common/model.py): the
+    rotated q and k must be transformers' own, bit for bit, in fp32 and in bf16."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from common.model import apply_rope
+
+    model, hf_config = tiny_loaded.model, AutoConfig.from_pretrained(tiny_loaded.path)
+    B, T, H, Hkv, D = 3, 7, 9, 3, model.config.head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)  # ours: [B, T, H, D]
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype)
+    positions = torch.randint(0, 500, (B, T), generator=g)
+    cos, sin = model.rope_cos_sin(positions, dtype)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(q, positions)  # [B, T, D] in q's dtype
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), hf_cos, hf_sin)  # [B, H, T, D]
+    assert torch.equal(apply_rope(q, cos, sin), hf_q.transpose(1, 2))
+    assert torch.equal(apply_rope(k, cos, sin), hf_k.transpose(1, 2))
