@@ -39,6 +39,12 @@ def git_info() -> dict:
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 
+# The code's state when this process loaded it. A run takes minutes to hours, and what it measured
+# is the code it imported then: a commit, or an edit, made in the checkout meanwhile would
+# otherwise be written into its JSON as if the run had measured it.
+GIT_AT_START = git_info()
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -68,9 +74,15 @@ def _version(module_name: str) -> str | None:
 
 
 def collect_env(device: str | torch.device | None = None) -> dict:
-    """Everything needed to judge whether two results are comparable."""
+    """Everything needed to judge whether two results are comparable.
+
+    The git fields are the code's state when the process started (what the run measured); if the
+    checkout has moved since, `git_now` says where to and `code_changed_during_run` is True."""
+    now = git_info()
+    moved = {} if now == GIT_AT_START else {"git_now": now, "code_changed_during_run": True}
     return {
-        **git_info(),
+        **GIT_AT_START,
+        **moved,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "transformers": _version("transformers"),

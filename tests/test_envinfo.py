@@ -46,3 +46,17 @@ def test_rewritten_results_and_new_files_do_not_count(repo) -> None:
 def test_a_code_change_is_dirty(repo) -> None:
     (repo / "engine.py").write_text("x = 2\n")
     assert envinfo.git_info()["git_dirty"] is True
+
+
+def test_a_commit_during_the_run_is_reported(repo, monkeypatch) -> None:
+    """The JSON names the code the process loaded, and says so when the checkout moved meanwhile
+    (a benchmark run from a checkout that someone commits to during the run)."""
+    monkeypatch.setattr(envinfo, "GIT_AT_START", envinfo.git_info())
+    assert "code_changed_during_run" not in envinfo.collect_env("cpu")
+    start = envinfo.GIT_AT_START["git_commit"]
+    (repo / "engine.py").write_text("x = 3\n")
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "edit"],
+                   check=True, capture_output=True)
+    env = envinfo.collect_env("cpu")
+    assert env["git_commit"] == start and env["code_changed_during_run"] is True
+    assert env["git_now"]["git_commit"] != start and env["git_now"]["git_dirty"] is False
