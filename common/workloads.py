@@ -22,6 +22,7 @@ import math
 import random
 
 from common.requests import Request, SamplingParams
+from common.tokenizer import encode
 
 
 def ordinary_token_range(tokenizer) -> tuple[int, int, frozenset[int]]:
@@ -42,11 +43,6 @@ def random_token_ids(rng: random.Random, n: int, lo: int, hi: int, special: froz
         if tid not in special:
             ids.append(tid)
     return ids
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # add_special_tokens=False everywhere, as the posts do (same as common.tokenizer.encode).
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _check(name: str, value: int | None, minimum: int) -> None:
@@ -124,10 +120,10 @@ def build_workload(
         else:
             text = f"{prompt} #{j}" if unique_prompts else prompt
             if prefix_ids:
-                ids = prefix_ids + _encode(tokenizer, text)
+                ids = prefix_ids + encode(tokenizer, text)
                 text = tokenizer.decode(prefix_ids) + text
             elif pretok:
-                ids = _encode(tokenizer, prompt if pretok_base_token_ids else text)
+                ids = encode(tokenizer, prompt if pretok_base_token_ids else text)
             else:
                 ids = None
         distinct.append((text, ids))
