@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -133,7 +133,7 @@ class EventStream:
 
     HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
         self.events = events
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -159,6 +159,9 @@ class EventStream:
                 task.uncancel()
         finally:
             watcher.cancel()
+            # Cancelled in a send, events() still waits at a yield: close it now (its finally
+            # cancels the request, freeing its blocks) rather than whenever it is collected.
+            await self.events.aclose()
 
 
 def _api_error(exc: BaseException) -> APIError:

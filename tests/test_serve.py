@@ -557,3 +557,36 @@ def test_text_event_is_the_dict_path_byte_for_byte(chat: bool) -> None:
     make = text_event(chat, "cmpl-1", "tiny", created=123)
     for text in ["Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é 中文 🙂", "\x00\x1f", "</script>", "data: x\n\n"]:
         assert make(text) == sse(envelope(chat, "cmpl-1", "tiny", [choice(chat, text, None)], True, created=123))
+
+
+def test_event_stream_closes_its_events_when_the_client_leaves_during_a_send() -> None:
+    """A send that waits (a full socket buffer) when the client goes: EventStream ends, and its
+    events generator is closed before it returns, so the request is cancelled at once, not
+    whenever the generator happens to be collected."""
+    from common.serve import EventStream
+
+    closed: list[bool] = []
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+        finally:
+            closed.append(True)  # generate()'s finally (handle.cancel()) runs from here
+
+    async def main() -> bool:
+        gone = asyncio.Event()
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message.get("body"):
+                gone.set()  # the client leaves while this write waits
+                await asyncio.Event().wait()
+
+        await EventStream(events())({"type": "http"}, receive, send)
+        return bool(closed)
+
+    assert asyncio.run(main())
