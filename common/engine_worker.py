@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m common.engine_worker JOB.json OUT.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
+    import common.envinfo  # noqa: F401  here, before the job imports the code: its GIT_AT_START is what runs
     result = JOBS[job["kind"]](job)
     result["pid"] = os.getpid()
     Path(argv[1]).write_text(json.dumps(result, default=str))

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from common.envinfo import collect_env  # at start: its GIT_AT_START is the code this run measures
+
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -187,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     print(format_profile(result, a.top), flush=True)
     if a.json:
         from common.bench import write_json
-        from common.envinfo import collect_env
         write_json(a.json, {**result, "command": "stagewise profile-decode " + " ".join(sys.argv[1:] if argv is None else argv),
                             "env": collect_env(result["device"])})
     return 0
