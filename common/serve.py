@@ -274,7 +274,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
     created = int(time.time())
     text_chunk = text_event(chat, rid, state.model_name, created)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncGenerator[str, None]:
         is_first, d = True, first
         try:
             while True:
