@@ -5,7 +5,7 @@
     stagewise stages
     stagewise ladder ...          (every stage on one workload; provided by common/ladder.py)
     stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
-    stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py)
+    stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py, serve_cli.py)
     stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/bench_serve.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
@@ -62,7 +62,7 @@ def cmd_ladder(argv: list[str]) -> int:
 
 
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
-SUBPROGRAMS = {"serve": "common.serve", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
+SUBPROGRAMS = {"serve": "common.serve_cli", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
                "stability": "common.stability", "profile-decode": "common.profile_decode"}
 
 

@@ -1,6 +1,6 @@
 """`stagewise serve`: an OpenAI-compatible HTTP server over any streaming stage (04+).
 
-    stagewise serve --stage 9 --model smollm2-135m --host 127.0.0.1 --port 8000
+    stagewise serve --stage 9 --model smollm2-135m --host 127.0.0.1 --port 8000   (common/serve_cli.py)
 
 FastAPI + uvicorn (the stack vLLM and SGLang use) in front of the stage's `SchedulerManager`:
 the event loop only parses, validates and writes bytes; the manager's worker thread runs the
@@ -13,13 +13,9 @@ The stage comes from the registry (common/stages.py): this file imports no stage
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import gc
 import json
 import logging
-import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +26,6 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.http_transport import bind_socket, http_protocol
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
 
@@ -382,91 +377,3 @@ class GenerationRoutes:
             logging.getLogger("stagewise.serve").exception("request failed")
             response = _json(APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error").body(), 500)
         await response(scope, receive, send)
-
-
-# ----------------------------------------------------------------------------- running it
-
-def make_server(state: ServeState, sock: socket.socket, log_level: str = "warning") -> Any:
-    """A uvicorn Server whose SIGINT/SIGTERM first ends the in-flight requests, then stops."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            state.begin_shutdown()
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises a captured signal once it has stopped, which would kill us before
-            # main()'s clean-up and exit 0; the shutdown was graceful, so forget it.
-            getattr(self, "_captured_signals", []).clear()
-
-    config = uvicorn.Config(GenerationRoutes(state), http=http_protocol(), log_level=log_level, access_log=False, lifespan="off",
-                            proxy_headers=False, timeout_graceful_shutdown=30)
-    return _Server(config)
-
-
-def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
-    """Load the model and build the chosen stage's engine and SchedulerManager from the flags."""
-    import importlib
-
-    import torch
-
-    from common import stages as registry
-    from common.bench import accepted, engine_knobs
-    from common.streaming_bench import manager_knobs
-    from common.cli import resolve_stage
-    from common.loader import load_model
-
-    package = resolve_stage(args.stage)
-    module = importlib.import_module(package)
-    if not hasattr(module, "SchedulerManager"):
-        raise SystemExit(f"serve: {registry.short_name(package)} has no SchedulerManager; serve needs stage 4 or later")
-    torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    knobs = accepted(module.InferenceEngine, engine_knobs(args))
-    engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
-    manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, manager_knobs(args)))
-    return manager, registry.short_name(package)
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from common import stages as registry
-    from common.bench import add_engine_knob_args
-    from common.streaming_bench import add_manager_args
-
-    p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
-    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
-    g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
-    add_engine_knob_args(g)
-    add_manager_args(g)
-    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="stagewise serve", description="OpenAI-compatible HTTP server over one stage.")
-    add_serve_args(p)
-    args = p.parse_args(argv)
-    sock = bind_socket(args.host, args.port)  # before loading: a taken port fails in a second, not a minute
-    manager, stage = build_manager(args)
-    state = ServeState(manager, args.served_model_name or args.model, stage)
-    server = make_server(state, sock, args.log_level)
-    # Everything loaded so far (model, tokenizer, FastAPI) lives as long as the server: freeze it
-    # out of the cyclic GC, so a full collection does not walk it and stall every request (vLLM
-    # and SGLang do the same after start-up).
-    gc.collect()
-    gc.freeze()
-    host, port = sock.getsockname()[:2]
-    print(f"stagewise serve: {stage} {state.model_name!r} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
-    t0 = time.perf_counter()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        state.begin_shutdown()
-        state.wait_closed(15.0)
-        sock.close()
-    print(f"stagewise serve: stopped after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    return 0

@@ -79,11 +79,12 @@ class Server:
     """The stage's manager behind `stagewise serve`'s app, in a thread of this process."""
 
     def __init__(self, a: argparse.Namespace) -> None:
-        from common import serve
+        from common import serve, serve_cli
+        from common.http_transport import bind_socket
         p = argparse.ArgumentParser()
-        serve.add_serve_args(p)
+        serve_cli.add_serve_args(p)
         args = p.parse_args(["--stage", a.stage, "--model", a.model, *_engine_flags(a)])
-        self.manager, self.stage = serve.build_manager(args)
+        self.manager, self.stage = serve_cli.build_manager(args)
         self.manager.record_token_timestamps = True  # TPOT, ITL, latency of the in-process runs (HTTP's come from its client)
         self.handles: list[Any] = []  # every request the manager took since the last take_completions()
         add_request = self.manager.add_request
@@ -95,9 +96,9 @@ class Server:
 
         self.manager.add_request = recording_add_request
         self.state = serve.ServeState(self.manager, a.model, self.stage)
-        sock = serve.bind_socket("127.0.0.1", 0)
+        sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = serve.make_server(self.state, sock)
+        self.server = serve_cli.make_server(self.state, sock)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

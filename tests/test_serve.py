@@ -26,7 +26,9 @@ import pytest
 
 from common import stages as registry
 from common.openai_protocol import StopMatcher, choice, envelope, sse, text_event
-from common.serve import ServeState, bind_socket, make_server
+from common.http_transport import bind_socket
+from common.serve import ServeState
+from common.serve_cli import make_server
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE = registry.load_stage(9)
@@ -471,13 +473,13 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
     server's manager, built from the knobs `stagewise serve` takes."""
     import argparse
 
-    from common import bench, bench_serve, serve, serve_overhead
+    from common import bench, bench_serve, serve_cli, serve_overhead
     a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
     workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
     local = bench.build_parser("bench").parse_args(workload)
     remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
     server = argparse.ArgumentParser()
-    serve.add_serve_args(server)
+    serve_cli.add_serve_args(server)
     served = server.parse_args(knobs + ["--model", "tiny"])
     for name in ("num_requests", "max_new_tokens", "prompt", "unique_prompts", "no_stop_on_eos", "seed"):
         assert getattr(local, name) == getattr(remote, name), name
@@ -544,11 +546,11 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
 def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
     import argparse
 
-    from common import serve
+    from common import serve_cli
     p = argparse.ArgumentParser()
-    serve.add_serve_args(p)
+    serve_cli.add_serve_args(p)
     with pytest.raises(SystemExit, match="stage 4 or later"):
-        serve.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
+        serve_cli.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
 
 
 @pytest.mark.parametrize("chat", [False, True])
