@@ -403,18 +403,37 @@ def _healthy(url: str) -> bool:
 
 # ----------------------------------------------------------------------------- bench-serve
 
-def test_bench_serve_reports_over_http(live, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_bench_serve_reports_over_http(live, tmp_path: Path, capsys, loop: str) -> None:
     from common import bench_serve
     out = tmp_path / "serve.json"
     bench_serve.main(["--base-url", live.url, "--model", "tiny", "--num-requests", "6", "--max-new-tokens", "5",
                       "--no-stop-on-eos", "--warmup-runs", "0", "--repeat-runs", "2", "--max-concurrency", "3",
-                      "--json", str(out)])
+                      "--loop", loop, "--json", str(out)])
     report = capsys.readouterr().out
     assert "=== streaming benchmark (HTTP) ===" in report and "TTFT p50/p95/p99" in report
     data = json.loads(out.read_text())
     assert data["requests"] == 6 and data["completion_tokens"] == 30 and len(data["runs"]) == 2
     assert data["throughput_tok_s"]["completion"] > 0 and data["server"]["data"][0]["id"] == "tiny"
     assert "git_commit" in data["env"] and "cpu_model" in data["env"]
+    assert data["config"]["loop"] == loop
+
+
+def test_bench_serve_runs_on_uvloop_where_installed(monkeypatch) -> None:
+    """`--loop auto` takes uvloop when it is there and asyncio's loop when it is not, and says which."""
+    import argparse
+    import importlib.util
+
+    from common import bench_serve
+
+    async def loop_class() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    args = argparse.Namespace(loop="auto")
+    assert bench_serve.run_event_loop(loop_class(), args).startswith("uvloop") and args.loop == "uvloop"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    args = argparse.Namespace(loop="auto")
+    assert bench_serve.run_event_loop(loop_class(), args).startswith("asyncio") and args.loop == "asyncio"
 
 
 def test_bench_serve_reports_the_servers_error(live) -> None:
