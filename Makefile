@@ -20,7 +20,7 @@ NEWEST := $(lastword $(sort $(wildcard stages/s[0-9]*_*)))
 export NO_MKDOCS_2_WARNING := 1  # mkdocs-material's banner about MkDocs 2; not a build warning
 BENCH_ARGS ?=
 
-.PHONY: bench test venv docs docs-check clean-venv
+.PHONY: bench test venv docs docs-check results clean-venv
 
 venv: $(STAMP)
 
@@ -51,3 +51,9 @@ clean-venv:
 
 docs-check: $(STAMP)
 	$(PY) scripts/docs_check.py
+
+# Every committed result under docs/results/ measured again from this (clean) commit, one command
+# at a time: about two and a half hours on a 2-core CPU. RESULTS_ARGS="--list" shows the commands.
+RESULTS_ARGS ?=
+results: $(STAMP)
+	$(PY) scripts/rerun_results.py $(RESULTS_ARGS)

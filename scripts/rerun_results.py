@@ -1,0 +1,129 @@
+"""Measure every committed result again, from one clean commit, one command at a time.
+
+    python scripts/rerun_results.py --list              # the commands, in order; nothing runs
+    python scripts/rerun_results.py                     # all of them (make results)
+    python scripts/rerun_results.py --only ladder       # those whose file name contains 'ladder'
+    python scripts/rerun_results.py --check             # which commit each result is from
+    python scripts/rerun_results.py --resume            # only those not yet from this commit
+
+Why: a page's figures should come from one version of the code, or a reader cannot tell what a
+change did from what happened between two commits. Every file under `docs/results/` says how it
+was made: its `command`, or a `config` from which the pages rebuild the command they print
+(`command_from` in docs/hooks/stagewise_results.py, the same function here). This runs those
+commands again, in this checkout, and then checks that every file it rewrote names the same
+clean commit. The before/after pairs in the subdirectories are left alone: each half belongs to
+the commit it compares.
+
+Each command runs in a fresh Python started here (`python -m common.cli ...`, `python -m
+stages...`), so the code measured is this checkout's, not that of whatever checkout a `stagewise`
+script on the PATH was installed from. Run nothing else meanwhile: on a small machine another
+program's CPU is this run's noise. On the 2-core CPU the whole set takes about two and a half
+hours; it can be split over sittings at one commit: `--only`/`--skip` now, `--resume` later in a
+checkout of that commit holding the files written so far (files under docs/results/ do not make
+a checkout dirty).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+from stagewise_results import command_from  # noqa: E402  (the pages' own reading of a result)
+
+
+def result_files(device: str) -> list[Path]:
+    """The committed results for one device (`<name>.<device>[.<tag>].json`), top level only."""
+    return sorted(p for p in RESULTS.glob("*.json") if f".{device}." in p.name or p.name.endswith(f".{device}.json"))
+
+
+def argv_for(path: Path) -> list[str]:
+    """The command that wrote `path`, as argv for this interpreter, writing `path` again."""
+    words = shlex.split(command_from(json.loads(path.read_text())))
+    if words[0] == "stagewise":
+        words = ["-m", "common.cli", *words[1:]]
+    elif words[:2] == ["python", "-m"]:
+        words = words[1:]
+    else:
+        raise SystemExit(f"{path.name}: cannot rerun {shlex.join(words)!r}")
+    out = path.relative_to(ROOT).as_posix()
+    if "--json" in words:  # where it wrote may have been a scratch file; it goes to its place now
+        words[words.index("--json") + 1] = out
+    elif "--out" in words:
+        words[words.index("--out") + 1] = path.parent.relative_to(ROOT).as_posix()
+    return [sys.executable, *words]
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def provenance(path: Path) -> tuple[str, bool, bool]:
+    """(commit, dirty, code changed during the run) as the result recorded them."""
+    env = json.loads(path.read_text()).get("env") or {}
+    return env.get("git_commit") or "?", bool(env.get("git_dirty")), bool(env.get("code_changed_during_run"))
+
+
+def check(paths: list[Path], head: str | None) -> int:
+    """Print each result's commit; 1 if any differs from `head` (or from the others), or is dirty."""
+    commits = {p: provenance(p) for p in paths}
+    want = head or max({c for c, _, _ in commits.values()}, key=[c for c, _, _ in commits.values()].count)
+    bad = 0
+    for p, (commit, dirty, moved) in commits.items():
+        flag = "" if commit == want and not dirty and not moved else "  <-- " + (
+            "dirty" if dirty else "code changed during the run" if moved else "another commit")
+        bad += bool(flag)
+        print(f"{commit[:10]}  {p.name}{flag}")
+    print(f"{len(paths) - bad} of {len(paths)} results from {want[:10]}, clean")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", help="which results: cpu or cuda (the file names say)")
+    p.add_argument("--only", action="append", default=[], help="file names containing this (repeatable)")
+    p.add_argument("--skip", action="append", default=[], help="file names not containing this (repeatable)")
+    p.add_argument("--list", action="store_true", help="print the commands and stop")
+    p.add_argument("--check", action="store_true", help="print which commit each result is from and stop")
+    p.add_argument("--resume", action="store_true",
+                   help="skip results already from this commit, clean (a set split over several sittings)")
+    p.add_argument("--allow-dirty", action="store_true", help="run in a checkout with uncommitted changes")
+    args = p.parse_args(argv)
+
+    paths = [f for f in result_files(args.device)
+             if (not args.only or any(s in f.name for s in args.only)) and not any(s in f.name for s in args.skip)]
+    if args.check:
+        return check(paths, None)
+    if args.resume:
+        head = git("rev-parse", "HEAD")
+        paths = [f for f in paths if provenance(f) != (head, False, False)]
+    plan = [(f, argv_for(f)) for f in paths]
+    if args.list:
+        for f, cmd in plan:
+            print(shlex.join(["python", *cmd[1:]]))
+        return 0
+    if git("status", "--porcelain", "--untracked-files=no") and not args.allow_dirty:
+        raise SystemExit("rerun_results: the checkout has uncommitted changes; commit them first, so the "
+                         "results name the code they measured (or --allow-dirty)")
+    head, t_all, times = git("rev-parse", "HEAD"), time.perf_counter(), []
+    for k, (f, cmd) in enumerate(plan, 1):
+        print(f"\n##### [{k}/{len(plan)}] {f.name}\n##### {shlex.join(['python', *cmd[1:]])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        times.append((f.name, time.perf_counter() - t0, rc))
+        if rc:
+            print(f"##### {f.name}: exit code {rc}; going on with the rest", flush=True)
+    print(f"\n##### done in {(time.perf_counter() - t_all) / 60:.1f} min")
+    for name, secs, rc in times:
+        print(f"{secs / 60:7.1f} min  {'ok ' if rc == 0 else f'rc={rc}'}  {name}")
+    return check(paths, head) or max((rc for _, _, rc in times), default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""scripts/rerun_results.py: every committed result maps to a command that writes it again, and
+the check names each result whose commit differs or whose checkout was dirty."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("rerun_results", ROOT / "scripts" / "rerun_results.py")
+rerun = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rerun)
+
+
+def test_every_committed_result_has_a_command_that_writes_it_again() -> None:
+    paths = rerun.result_files("cpu")
+    assert len(paths) > 20 and all(p.parent == rerun.RESULTS for p in paths)  # not the before/after pairs
+    for path in paths:
+        argv = rerun.argv_for(path)
+        assert argv[0] == sys.executable and argv[1] == "-m", path.name
+        assert argv[2] == "common.cli" or (argv[2].startswith("stages.s") and argv[2].endswith(".bench")), path.name
+        if "--json" in argv:
+            assert argv[argv.index("--json") + 1] == f"docs/results/{path.name}"
+        else:
+            assert argv[2:4] == ["common.cli", "ladder"] and argv[argv.index("--out") + 1] == "docs/results"
+
+
+def test_a_scratch_json_path_is_sent_back_to_the_results(tmp_path, monkeypatch) -> None:
+    """serve-overhead run with --json /tmp/x.json and copied in: the rerun writes it in place."""
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "serve.cpu.json").write_text(json.dumps({"command": "stagewise serve-overhead --stage 9 --json /tmp/x.json"}))
+    monkeypatch.setattr(rerun, "ROOT", tmp_path)
+    monkeypatch.setattr(rerun, "RESULTS", results)
+    [path] = rerun.result_files("cpu")
+    assert rerun.argv_for(path)[1:] == ["-m", "common.cli", "serve-overhead", "--stage", "9",
+                                         "--json", "docs/results/serve.cpu.json"]
+
+
+def test_check_names_results_from_another_commit_or_a_dirty_checkout(tmp_path, capsys) -> None:
+    def result(name: str, commit: str, dirty: bool = False) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"env": {"git_commit": commit, "git_dirty": dirty}}))
+        return path
+
+    same = [result("a.cpu.json", "abc"), result("b.cpu.json", "abc")]
+    assert rerun.check(same, "abc") == 0
+    assert rerun.check(same + [result("c.cpu.json", "def")], "abc") == 1
+    assert "c.cpu.json  <-- another commit" in capsys.readouterr().out
+    assert rerun.check(same + [result("d.cpu.json", "abc", dirty=True)], None) == 1
+    assert "d.cpu.json  <-- dirty" in capsys.readouterr().out
+
+
+def test_resume_runs_only_what_is_not_from_this_commit(tmp_path, monkeypatch, capsys) -> None:
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    for name, commit in (("s01_x.cpu.json", "head"), ("s02_x.cpu.json", "old")):
+        (results / name).write_text(json.dumps({"env": {"git_commit": commit, "git_dirty": False},
+                                                "command": f"stagewise profile-decode --json /tmp/{name}"}))
+    monkeypatch.setattr(rerun, "ROOT", tmp_path)
+    monkeypatch.setattr(rerun, "RESULTS", results)
+    monkeypatch.setattr(rerun, "git", lambda *args: "head")
+    assert rerun.main(["--resume", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "docs/results/s02_x.cpu.json" in out and "s01_x" not in out
