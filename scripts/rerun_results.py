@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         for f, cmd in plan:
             print(shlex.join(["python", *cmd[1:]]))
         return 0
-    if git("status", "--porcelain", "--untracked-files=no") and not args.allow_dirty:
+    # As in common/envinfo.py: the results themselves (rewritten as the set goes) do not count.
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results") and not args.allow_dirty:
         raise SystemExit("rerun_results: the checkout has uncommitted changes; commit them first, so the "
                          "results name the code they measured (or --allow-dirty)")
     head, t_all, times = git("rev-parse", "HEAD"), time.perf_counter(), []
