@@ -65,3 +65,26 @@ def test_resume_runs_only_what_is_not_from_this_commit(tmp_path, monkeypatch, ca
     assert rerun.main(["--resume", "--list"]) == 0
     out = capsys.readouterr().out
     assert "docs/results/s02_x.cpu.json" in out and "s01_x" not in out
+
+
+def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
+    """The command a stage page prints (and the rerun runs) is the one that made the result: the
+    bench's own parser reads it back to the very config the JSON records. (It printed
+    `--fresh-engine`, a flag no bench has, until the store-False flags were mapped.)"""
+    import importlib
+    import shlex
+
+    from common import bench
+    from stagewise_results import command_from
+
+    checked = 0
+    for path in rerun.result_files("cpu"):
+        data = json.loads(path.read_text())
+        if isinstance(data.get("command"), str):
+            continue
+        words = shlex.split(command_from(data))
+        assert words[:2] == ["python", "-m"] and words[2].endswith(".bench"), path.name
+        args = bench.parse_bench_args(importlib.import_module(words[2].rsplit(".", 1)[0]), words[3:])
+        assert {k: getattr(args, k, "missing") for k in data["config"]} == data["config"], path.name
+        checked += 1
+    assert checked >= 10

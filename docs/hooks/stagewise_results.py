@@ -40,7 +40,9 @@ PCT_METRICS: list[tuple[str, str]] = [
 REQUIRED_PCT = ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms")
 PCTS = ("p50", "p95", "p99")
 # Flags that argparse stores as `x=False` when the user types `--no-x`.
-NEGATED_FLAGS = ("stop_on_eos", "prefix_cache")
+# Flags that store False: the config's key, and the flag to write when the value is False.
+FLAGS_FOR_FALSE = {"stop_on_eos": "--no-stop-on-eos", "prefix_cache": "--no-prefix-cache",
+                   "fresh_engine": "--reuse-engine"}
 CONFIG_SKIP = ("stage", "command", "argv", "func")
 # Streaming-benchmark flags: noise in the command of an offline (generate()) run.
 STREAMING_ONLY = ("pretok", "pretok_base_token_ids", "tokenize_workers", "stream_interval",
@@ -156,11 +158,13 @@ def command_from(data: dict) -> str:
         if key in CONFIG_SKIP or val is None or (offline and key in STREAMING_ONLY):
             continue
         flag = "--" + key.replace("_", "-")
-        if val is True:
+        if key in FLAGS_FOR_FALSE:
+            if val is False:
+                parts.append(FLAGS_FOR_FALSE[key])
+        elif val is True:
             parts.append(flag)
         elif val is False:
-            if key in NEGATED_FLAGS:
-                parts.append("--no-" + key.replace("_", "-"))
+            pass
         elif isinstance(val, (list, tuple)):
             parts += [flag, *map(str, val)]
         elif isinstance(val, dict):
