@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import os
 import sys
@@ -32,76 +31,13 @@ from typing import Any, Callable
 import torch
 
 from common import stages as registry
+from common.bench_flags import (PREFIX_CACHE_KNOBS, accepted, check_args, describe_workload, engine_knobs,
+                                 parse_bench_args, workload_from_args)
 from common.envinfo import collect_env
 from common.floor import FloorSampler, decode_batch, with_x_floor
 from common.metrics import median_summary, summarize
 from common.report import comparison_ratios, format_comparison, format_report
-from common.workloads import build_workload, fresh_copies
-
-ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
-                "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens")
-# Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
-# block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
-PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
-
-# Named workloads (`--preset NAME`): a preset takes the place of the stage's own BENCH (a flag it
-# does not set keeps the bench's plain default, not the stage's); typed flags still override.
-# "post-052" is post 052's shape (stage 09's BENCH; a test keeps the two equal): `make bench`
-# runs it on the newest stage, whatever that stage's own workload, so its numbers compare.
-PRESETS: dict[str, dict] = {
-    "post-052": {
-        "mode": "streaming",
-        "prompt": "Hello",
-        "pretok": True,
-        "stream_interval": 8,
-        "num_requests": 64,
-        "submit_interval_ms": 20.0,
-        "submit_schedule": "absolute",
-        "max_new_tokens": 128,
-        "max_batch_size": 64,
-        "prefill_max_batch_size": 64,
-        "no_stop_on_eos": True,
-        "no_prefix_cache": True,
-        "warmup_runs": 1,
-        "repeat_runs": 2,
-    },
-}
-
-
-# The workload flags (`workload_from_args` reads them): the benches, the ladder's workers and
-# `stagewise bench-serve`, which replays the same workloads over HTTP, all take exactly these.
-WORKLOAD_FLAGS: list[tuple[str, dict]] = [
-    ("--prompt", {"default": "Hello"}),
-    ("--unique-prompts", {"action": "store_true", "help": "append ' #i' to each prompt text"}),
-    ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
-    ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
-    ("--num-requests", {"type": int, "default": 32}),
-    ("--max-new-tokens", {"type": int, "default": 16}),
-    ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (HTTP: sends ignore_eos)"}),
-    ("--long-every", {"type": int, "default": None, "help": "request i wants --long-max-new-tokens if i %% N == 0"}),
-    ("--long-max-new-tokens", {"type": int, "default": None, "help": "default 10x --max-new-tokens"}),
-    ("--shared-prefix-len", {"type": int, "default": None, "help": "random token prefix shared by all prompts"}),
-    ("--repeat-prompts", {"type": int, "default": None, "help": "each distinct prompt sent K times in a row"}),
-    ("--long-prompts", {"type": int, "default": None,
-                        "help": "K late requests after the others, each --long-prompt-len random token ids"}),
-    ("--long-prompt-len", {"type": int, "default": 2000, "help": "tokens in each late long prompt"}),
-    ("--long-prompt-interval-ms", {"type": float, "default": 2000.0,
-                                   "help": "the first late long prompt arrives after T ms, then one every T ms"}),
-]
-
-
-def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
-    """The stages' engine knobs as flags (the benches and `stagewise serve`); `engine_knobs`
-    reads them back, and each is passed only to stages whose constructor takes it."""
-    g.add_argument("--max-batch-size", type=int, default=8)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--prefix-cache-max-entries", type=int, default=None)
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
-    g.add_argument("--prefill-max-batch-size", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
+from common.workloads import fresh_copies
 
 
 @dataclass
@@ -119,140 +55,7 @@ class EngineSpec:
     process: dict | None = None            # fresh_process, pid, exit_code
 
 
-# ----------------------------------------------------------------------------- flags
-
-def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentParser:
-    from common.streaming_bench import add_streaming_args
-
-    p = argparse.ArgumentParser(prog=prog, description="Benchmark a stage (see docs: method).")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--seed", type=int, default=0, help="workload RNG and torch seed")
-    g = p.add_argument_group("workload")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a named workload instead of the stage's BENCH (flags still override); "
-                        "post-052: post 052's shape, what `make bench` runs")
-    for flag, kwargs in WORKLOAD_FLAGS:
-        g.add_argument(flag, **kwargs)
-    g = p.add_argument_group("engine knobs (passed only to engines whose constructor takes them)")
-    add_engine_knob_args(g)
-    # A fresh engine per run (the model stays loaded): caches start cold, as in the posts' one run
-    # per process; otherwise a warmup run would turn every timed request into a prefix-cache hit.
-    g.add_argument("--reuse-engine", dest="fresh_engine", action="store_false",
-                   help="keep one engine across warmup and repeats (its caches stay warm)")
-    g = p.add_argument_group("method")
-    g.add_argument("--mode", choices=["offline", "streaming"], default=None,
-                   help="offline generate() or streaming SchedulerManager (default: streaming when the stage has one)")
-    g.add_argument("--warmup-runs", type=int, default=1)
-    g.add_argument("--repeat-runs", type=int, default=3)
-    g.add_argument("--compare", action="store_true", help="also run the previous stage, same workload")
-    g.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate")
-    g.add_argument("--same-process", action="store_true",
-                   help="run compared engines in this one process, alternating (default: each in a fresh process)")
-    g.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
-    add_streaming_args(p)
-    if defaults:
-        p.set_defaults(**defaults)
-    return p
-
-
-def bench_defaults(module: ModuleType, parser: argparse.ArgumentParser | None = None) -> dict:
-    """A stage's `BENCH` dict turned into argparse defaults (CLI flags still override)."""
-    return as_defaults(getattr(module, "BENCH", {}) or {}, parser, f"BENCH of {module.__name__}")
-
-
-def as_defaults(bench: dict, parser: argparse.ArgumentParser | None, where: str) -> dict:
-    """A BENCH-style dict (or a preset) as argparse dests; unknown keys are an error naming `where`."""
-    bench = dict(bench)
-    if "prompt_len_range" in bench:
-        rng = bench.pop("prompt_len_range")
-        bench["prompt_len_min"], bench["prompt_len_max"] = (None, None) if rng is None else rng
-    if "stop_on_eos" in bench:
-        bench["no_stop_on_eos"] = not bench.pop("stop_on_eos")
-    known = {a.dest for a in (parser or build_parser("bench"))._actions}
-    unknown = sorted(set(bench) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}")
-    return bench
-
-
-def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = None) -> argparse.Namespace:
-    """The flags of a stage's bench: its BENCH (or `--preset`'s workload instead) as defaults,
-    then what was typed. The bench and its worker processes both parse here, so they build the
-    same workload."""
-    prog = prog or f"python -m {module.__name__}.bench"
-    parser = build_parser(prog)
-    parser.set_defaults(**bench_defaults(module, parser))
-    args = parser.parse_args(argv)
-    if args.preset is not None:  # a second pass on a parser without the stage's BENCH
-        parser = build_parser(prog)
-        parser.set_defaults(**as_defaults(PRESETS[args.preset], parser, f"preset {args.preset!r}"))
-        args = parser.parse_args(argv)
-    return args
-
-
-def check_args(args: argparse.Namespace) -> None:
-    if (args.prompt_len_min is None) != (args.prompt_len_max is None):
-        args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
-    for name in ("num_requests", "max_new_tokens", "max_batch_size", "repeat_runs"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1")
-    if args.warmup_runs < 0:
-        raise SystemExit("--warmup-runs: must be >= 0")
-
-
-def workload_from_args(tokenizer, args: argparse.Namespace):
-    rng = None if args.prompt_len_min is None else (args.prompt_len_min, args.prompt_len_max)
-    return build_workload(
-        tokenizer, prompt=args.prompt, num_requests=args.num_requests, unique_prompts=args.unique_prompts,
-        prompt_len_range=rng, max_new_tokens=args.max_new_tokens, long_every=args.long_every,
-        long_max_new_tokens=args.long_max_new_tokens, shared_prefix_len=args.shared_prefix_len,
-        repeat_prompts=args.repeat_prompts, stop_on_eos=not args.no_stop_on_eos, seed=args.seed,
-        pretok=args.pretok, pretok_base_token_ids=args.pretok_base_token_ids, long_prompts=args.long_prompts,
-        long_prompt_len=args.long_prompt_len, long_prompt_interval_ms=args.long_prompt_interval_ms)
-
-
-def describe_workload(args: argparse.Namespace) -> str:
-    if args.prompt_len_min is not None:
-        text = f"random prompts {args.prompt_len_min}-{args.prompt_len_max} tokens"
-    else:
-        text = f"prompt {args.prompt!r}" + (" + ' #i'" if args.unique_prompts else "")
-    if args.shared_prefix_len:
-        text += f", shared prefix {args.shared_prefix_len} tokens"
-    if args.repeat_prompts:
-        text += f", each prompt x{args.repeat_prompts}"
-    text += f", {args.max_new_tokens} new tokens"
-    if args.long_every:
-        text += f" ({args.long_max_new_tokens or 10 * args.max_new_tokens} for 1 in {args.long_every})"
-    text += ", EOS ignored" if args.no_stop_on_eos else ", stop on EOS"
-    if args.long_prompts:
-        text += (f"; then {args.long_prompts} late prompts of {args.long_prompt_len} random tokens, "
-                 f"one every {args.long_prompt_interval_ms:g} ms")
-    return text
-
-
 # ----------------------------------------------------------------------------- engines
-
-def accepted(callable_: Any, knobs: dict) -> dict:
-    """The knobs (not None) that `callable_` names in its signature: `--block-size` reaches
-    stage 03+ and is simply not offered to stage 02, whose constructor has no such parameter."""
-    try:
-        params = inspect.signature(callable_).parameters
-    except (TypeError, ValueError):
-        return {}
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {k: v for k, v in knobs.items() if v is not None and k in params and params[k].kind in kinds}
-
-
-def engine_knobs(args: argparse.Namespace) -> dict:
-    knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
-    if args.no_prefix_cache:
-        knobs["prefix_cache_max_entries"] = 0
-        knobs["enable_prefix_caching"] = False
-    return knobs
-
 
 def stage_spec(package: str, args: argparse.Namespace, loaded, notes: list[str]) -> EngineSpec:
     module = importlib.import_module(package)

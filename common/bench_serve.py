@@ -29,15 +29,16 @@ import urllib.parse
 import urllib.request
 from typing import Any, AsyncIterator
 
-from common import bench
-from common.bench import describe_workload, workload_from_args, write_json
+from common import bench_flags
+from common.bench import write_json
+from common.bench_flags import describe_workload, workload_from_args
 from common.metrics import median_summary, percentiles, summarize
 from common.report import format_report
 from common.requests import Completion, Request
 
 # The benches' workload flags, so a workload replays over HTTP exactly as in-process; the seed
 # here also seeds Poisson arrivals.
-WORKLOAD_FLAGS: list[tuple[str, dict]] = bench.WORKLOAD_FLAGS + [
+WORKLOAD_FLAGS: list[tuple[str, dict]] = bench_flags.WORKLOAD_FLAGS + [
     ("--seed", {"type": int, "default": 0, "help": "workload RNG (and Poisson arrivals)"}),
 ]
 

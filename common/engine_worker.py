@@ -110,17 +110,17 @@ def bench_job(job: dict) -> dict:
 
     import torch
 
-    from common import bench
+    from common import bench, bench_flags
     from common.floor import FloorSampler, decode_batch
     from common.loader import load_model
 
     package, engine = job["package"], job["engine"]
     module = importlib.import_module(package)
-    args = bench.parse_bench_args(module, job["argv"])
-    bench.check_args(args)
+    args = bench_flags.parse_bench_args(module, job["argv"])
+    bench_flags.check_args(args)
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = bench.workload_from_args(loaded.tokenizer, args)
+    requests = bench_flags.workload_from_args(loaded.tokenizer, args)
     specs = [s for s in bench.build_specs(package, args, loaded, []) if s.name == engine]
     if not specs:
         raise SystemExit(f"engine_worker: {package}'s bench has no engine {engine!r}")

@@ -37,7 +37,8 @@ from typing import Any, Callable
 import torch
 
 from common import stages as registry
-from common.bench import accepted, shared_process, wall_seconds, write_json
+from common.bench import shared_process, wall_seconds, write_json
+from common.bench_flags import accepted
 from common.envinfo import collect_env
 from common.floor import FloorSampler, decode_batch, with_x_floor
 from common.ladder_report import HF_ENGINES, write_report

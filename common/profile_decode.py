@@ -113,7 +113,7 @@ class DecodeWindow:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.bench import accepted
+    from common.bench_flags import accepted
     from common.cli import resolve_stage
     from common.floor import decode_matmuls, matmul_floor_ms
     from common.loader import load_model

@@ -44,7 +44,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     from common import stages as registry
-    from common.bench import accepted, engine_knobs
+    from common.bench_flags import accepted, engine_knobs
     from common.streaming_bench import manager_knobs
     from common.cli import resolve_stage
     from common.loader import load_model
@@ -63,7 +63,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
-    from common.bench import add_engine_knob_args
+    from common.bench_flags import add_engine_knob_args
     from common.streaming_bench import add_manager_args
 
     p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")

@@ -223,14 +223,14 @@ def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict
 
 def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict], dict]:
     """Warm both sides, then `repeat_runs` pairs, alternating which side goes first."""
-    from common import bench
+    from common import bench_flags
     from common.metrics import median_summary, summarize
     from common.streaming_bench import run_streaming_once
 
     server = Server(a)
     try:
-        wargs = bench.build_parser("serve-overhead").parse_args(_workload_flags(a))
-        requests = bench.workload_from_args(server.manager.engine.tokenizer, wargs)
+        wargs = bench_flags.build_parser("serve-overhead").parse_args(_workload_flags(a))
+        requests = bench_flags.workload_from_args(server.manager.engine.tokenizer, wargs)
         client = StepClient(a, server.url, tmp / "http.json")
 
         def local_run() -> dict:

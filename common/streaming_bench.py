@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from common.bench import EngineSpec, accepted, describe_workload, knob_header, run_engines
+from common.bench import EngineSpec, knob_header, run_engines
+from common.bench_flags import accepted, describe_workload
 from common.metrics import percentiles, summarize
 
 

@@ -269,7 +269,7 @@ def test_submit_offset_is_validated_and_in_the_workload_digest():
 
 
 def test_describe_workload_names_the_late_prompts():
-    from common.bench import build_parser, describe_workload
+    from common.bench_flags import build_parser, describe_workload
 
     args = build_parser("bench").parse_args(["--long-prompts", "4", "--long-prompt-len", "2000",
                                              "--long-prompt-interval-ms", "2000"])
@@ -349,7 +349,7 @@ def test_offline_bench_says_it_ignores_the_late_arrivals(fake_stages, capsys):
 
 
 def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
-    from common.bench import PRESETS, as_defaults, build_parser, parse_bench_args
+    from common.bench_flags import PRESETS, as_defaults, build_parser, parse_bench_args
 
     module = fake_stages["second"]  # its BENCH: 5 requests, 3 new tokens, and a workload of its own
     monkeypatch.setitem(module.BENCH, "shared_prefix_len", 500)
@@ -367,7 +367,7 @@ def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
 
 
 def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
-    from common.bench import parse_bench_args
+    from common.bench_flags import parse_bench_args
 
     with pytest.raises(SystemExit):
         parse_bench_args(fake_stages["second"], ["--preset", "post-999"])
@@ -378,7 +378,7 @@ def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
 def test_post_052_preset_is_stage_09s_bench_and_make_bench_runs_it():
     import importlib
 
-    from common.bench import PRESETS
+    from common.bench_flags import PRESETS
 
     assert PRESETS["post-052"] == importlib.import_module("stages.s09_batched_worker_lookups").BENCH
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()

@@ -74,7 +74,7 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
     import importlib
     import shlex
 
-    from common import bench
+    from common import bench_flags
     from stagewise_results import command_from
 
     checked = 0
@@ -84,7 +84,7 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
             continue
         words = shlex.split(command_from(data))
         assert words[:2] == ["python", "-m"] and words[2].endswith(".bench"), path.name
-        args = bench.parse_bench_args(importlib.import_module(words[2].rsplit(".", 1)[0]), words[3:])
+        args = bench_flags.parse_bench_args(importlib.import_module(words[2].rsplit(".", 1)[0]), words[3:])
         assert {k: getattr(args, k, "missing") for k in data["config"]} == data["config"], path.name
         checked += 1
     assert checked >= 10

@@ -445,9 +445,9 @@ def test_bench_serve_reports_the_servers_error(live) -> None:
 
 
 def test_bench_serve_workload_flags_match_the_benches() -> None:
-    from common import bench, bench_serve
+    from common import bench_flags, bench_serve
     ours = {a.dest: a.default for a in bench_serve.build_parser()._actions}
-    theirs = {a.dest: a.default for a in bench.build_parser("bench")._actions}
+    theirs = {a.dest: a.default for a in bench_flags.build_parser("bench")._actions}
     for flag, _ in bench_serve.WORKLOAD_FLAGS:
         dest = flag.lstrip("-").replace("-", "_")
         assert ours[dest] == theirs[dest], flag
@@ -492,10 +492,10 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
     server's manager, built from the knobs `stagewise serve` takes."""
     import argparse
 
-    from common import bench, bench_serve, serve_cli, serve_overhead
+    from common import bench_flags, bench_serve, serve_cli, serve_overhead
     a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
     workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
-    local = bench.build_parser("bench").parse_args(workload)
+    local = bench_flags.build_parser("bench").parse_args(workload)
     remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
     server = argparse.ArgumentParser()
     serve_cli.add_serve_args(server)
