@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ from stagewise_results import command_from  # noqa: E402  (the pages' own readin
 
 def result_files(device: str) -> list[Path]:
     """The committed results for one device (`<name>.<device>[.<tag>].json`), top level only."""
-    return sorted(p for p in RESULTS.glob("*.json") if f".{device}." in p.name or p.name.endswith(f".{device}.json"))
+    return sorted(p for p in RESULTS.glob("*.json") if f".{device}." in p.name)
 
 
 def argv_for(path: Path) -> list[str]:
@@ -73,7 +74,7 @@ def provenance(path: Path) -> tuple[str, bool, bool]:
 def check(paths: list[Path], head: str | None) -> int:
     """Print each result's commit; 1 if any differs from `head` (or from the others), or is dirty."""
     commits = {p: provenance(p) for p in paths}
-    want = head or max({c for c, _, _ in commits.values()}, key=[c for c, _, _ in commits.values()].count)
+    want = head or Counter(c for c, _, _ in commits.values()).most_common(1)[0][0]
     bad = 0
     for p, (commit, dirty, moved) in commits.items():
         flag = "" if commit == want and not dirty and not moved else "  <-- " + (
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
              if (not args.only or any(s in f.name for s in args.only)) and not any(s in f.name for s in args.skip)]
     if args.check:
         return check(paths, None)
+    head = git("rev-parse", "HEAD")
     if args.resume:
-        head = git("rev-parse", "HEAD")
         paths = [f for f in paths if provenance(f) != (head, False, False)]
     plan = [(f, argv_for(f)) for f in paths]
     if args.list:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results") and not args.allow_dirty:
         raise SystemExit("rerun_results: the checkout has uncommitted changes; commit them first, so the "
                          "results name the code they measured (or --allow-dirty)")
-    head, t_all, times = git("rev-parse", "HEAD"), time.perf_counter(), []
+    t_all, times = time.perf_counter(), []
     for k, (f, cmd) in enumerate(plan, 1):
         print(f"\n##### [{k}/{len(plan)}] {f.name}\n##### {shlex.join(['python', *cmd[1:]])}", flush=True)
         t0 = time.perf_counter()

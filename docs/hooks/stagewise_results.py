@@ -39,7 +39,6 @@ PCT_METRICS: list[tuple[str, str]] = [
 ]
 REQUIRED_PCT = ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms")
 PCTS = ("p50", "p95", "p99")
-# Flags that argparse stores as `x=False` when the user types `--no-x`.
 # Flags that store False: the config's key, and the flag to write when the value is False.
 FLAGS_FOR_FALSE = {"stop_on_eos": "--no-stop-on-eos", "prefix_cache": "--no-prefix-cache",
                    "fresh_engine": "--reuse-engine"}
@@ -163,12 +162,10 @@ def command_from(data: dict) -> str:
                 parts.append(FLAGS_FOR_FALSE[key])
         elif val is True:
             parts.append(flag)
-        elif val is False:
-            pass
+        elif val is False or isinstance(val, dict):
+            continue  # a store_true flag left off; nested data is no flag
         elif isinstance(val, (list, tuple)):
             parts += [flag, *map(str, val)]
-        elif isinstance(val, dict):
-            continue
         else:
             parts += [flag, str(val)]
     return shlex.join(parts)
