@@ -105,12 +105,12 @@ def test_a_failing_ladder_rung_is_skipped_with_the_reason(monkeypatch, tmp_path)
 def test_decode_step_preset() -> None:
     import argparse
 
-    from common import ladder
+    from common import ladder, ladder_workloads
 
     args = ladder.parse_args(["--workload", "decode-step", "--out", "/tmp/x"])
     assert args.max_batch_size == 16
-    kw = ladder.workload_kwargs(argparse.Namespace(workload="decode-step", num_requests=None, max_new_tokens=None),
-                                8192, [])
+    kw = ladder_workloads.workload_kwargs(
+        argparse.Namespace(workload="decode-step", num_requests=None, max_new_tokens=None), 8192, [])
     assert kw == {"num_requests": 16, "prompt_len_range": (160, 160), "max_new_tokens": 40, "stop_on_eos": False}
     assert ladder.parse_args(["--out", "/tmp/x"]).max_batch_size == 8
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common import ladder
+from common import ladder, ladder_workloads
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,40 +91,40 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_workloads_fit_the_context_window() -> None:
     notes: list[str] = []
-    kw = ladder.workload_kwargs(_args(workload="random-lengths"), 128, notes)
+    kw = ladder_workloads.workload_kwargs(_args(workload="random-lengths"), 128, notes)
     assert kw["prompt_len_range"][1] + kw["max_new_tokens"] <= 128 and notes
-    kw = ladder.workload_kwargs(_args(workload="mixed-output"), 128, [])
+    kw = ladder_workloads.workload_kwargs(_args(workload="mixed-output"), 128, [])
     assert kw["long_max_new_tokens"] <= 64 and kw["max_new_tokens"] >= 1
-    kw = ladder.workload_kwargs(_args(workload="default", num_requests=3, max_new_tokens=2), 8192, [])
+    kw = ladder_workloads.workload_kwargs(_args(workload="default", num_requests=3, max_new_tokens=2), 8192, [])
     assert kw["num_requests"] == 3 and kw["max_new_tokens"] == 2 and kw["long_max_new_tokens"] == 8
-    assert ladder.workload_kwargs(_args(workload="burst"), 8192, [])["num_requests"] == 32
+    assert ladder_workloads.workload_kwargs(_args(workload="burst"), 8192, [])["num_requests"] == 32
 
 
 def test_shared_prefix_and_long_prompts_workloads(tiny) -> None:
     from common.workloads import build_workload
 
-    kw = ladder.workload_kwargs(_args(workload="shared-prefix"), 8192, notes := [])
+    kw = ladder_workloads.workload_kwargs(_args(workload="shared-prefix"), 8192, notes := [])
     assert kw["shared_prefix_len"] == 500 and kw["num_requests"] == 32 and kw["max_new_tokens"] == 32 and not notes
-    kw = ladder.workload_kwargs(_args(workload="long-prompts"), 8192, notes)
+    kw = ladder_workloads.workload_kwargs(_args(workload="long-prompts"), 8192, notes)
     assert (kw["long_prompts"], kw["long_prompt_len"], kw["long_prompt_interval_ms"]) == (4, 2000, 2000.0)
     assert kw["num_requests"] == 16 and kw["prompt_len_range"] == (64, 128) and kw["max_new_tokens"] == 96
     assert not notes
     for name in ("shared-prefix", "long-prompts"):
         assert ladder.parse_args(["--workload", name, "--out", "/tmp/x"]).max_batch_size == 16
-        assert ladder.WORKLOADS[name][0]  # says what it shows
+        assert ladder_workloads.WORKLOADS[name][0]  # says what it shows
 
     limit = tiny.config.max_position_embeddings  # 128: everything must be cut to fit
-    kw = ladder.workload_kwargs(_args(workload="long-prompts"), limit, notes := [])
+    kw = ladder_workloads.workload_kwargs(_args(workload="long-prompts"), limit, notes := [])
     assert kw["long_prompt_len"] + kw["max_new_tokens"] <= limit
     assert kw["prompt_len_range"][1] + kw["max_new_tokens"] <= limit and any("long prompts" in n for n in notes)
     reqs = build_workload(tiny.tokenizer, **kw)
     assert len(reqs) == 20 and [r.submit_offset_s for r in reqs[16:]] == [2.0, 4.0, 6.0, 8.0]
     assert all(len(r.prompt_token_ids) + r.params.max_new_tokens <= limit for r in reqs)
-    assert "4 late prompts" in ladder.describe("long-prompts", kw)
+    assert "4 late prompts" in ladder_workloads.describe("long-prompts", kw)
 
-    kw = ladder.workload_kwargs(_args(workload="shared-prefix", num_requests=4), limit, notes := [])
+    kw = ladder_workloads.workload_kwargs(_args(workload="shared-prefix", num_requests=4), limit, notes := [])
     reqs = build_workload(tiny.tokenizer, **kw)
-    assert any("shared prefix" in n for n in notes) and "shared prefix" in ladder.describe("shared-prefix", kw)
+    assert any("shared prefix" in n for n in notes) and "shared prefix" in ladder_workloads.describe("shared-prefix", kw)
     assert all(len(r.prompt_token_ids) + r.params.max_new_tokens <= limit for r in reqs)
     assert len({tuple(r.prompt_token_ids[:kw["shared_prefix_len"]]) for r in reqs}) == 1
     assert len({tuple(r.prompt_token_ids) for r in reqs}) == 4  # distinct questions
