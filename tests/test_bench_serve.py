@@ -1,4 +1,4 @@
-"""bench-serve's HTTP reading: chunked framing parsed from whatever a read returns, and a head in one read."""
+"""bench-serve's HTTP reading (common/sse_client.py): chunked framing parsed from whatever a read returns, and a head in one read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from common.bench_serve import Connection, split_chunks
+from common.sse_client import Connection, split_chunks
 
 EVENTS = [b'data: {"text": "Hi"}\n\n', b"data: " + b"x" * 300 + b"\n\n", b"data: [DONE]\n\n"]
 
