@@ -1,13 +1,22 @@
-"""bench-serve's HTTP reading (common/sse_client.py): chunked framing parsed from whatever a read returns, and a head in one read."""
+"""`stagewise bench-serve` and `serve-overhead` without a live server: bench-serve's HTTP reading
+(common/sse_client.py: chunked framing parsed from whatever a read returns, a head in one read),
+its event loop and flags, and serve-overhead's flags, figures and one paired run on `tiny`.
+The tests that need a running server (a report over HTTP, a server's error) are in test_serve.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from common.sse_client import Connection, split_chunks
+
+REPO = Path(__file__).resolve().parents[1]
 
 EVENTS = [b'data: {"text": "Hi"}\n\n', b"data: " + b"x" * 300 + b"\n\n", b"data: [DONE]\n\n"]
 
@@ -53,3 +62,113 @@ def test_a_closed_connection_is_a_connection_error() -> None:
 
     with pytest.raises(ConnectionError):
         asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- bench-serve's loop and flags
+
+def test_bench_serve_runs_on_uvloop_where_installed(monkeypatch) -> None:
+    """`--loop auto` takes uvloop when it is there and asyncio's loop when it is not, and says which."""
+    import argparse
+    import importlib.util
+
+    from common import bench_serve
+
+    async def loop_class() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    args = argparse.Namespace(loop="auto")
+    assert bench_serve.run_event_loop(loop_class(), args).startswith("uvloop") and args.loop == "uvloop"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    args = argparse.Namespace(loop="auto")
+    assert bench_serve.run_event_loop(loop_class(), args).startswith("asyncio") and args.loop == "asyncio"
+
+
+
+def test_bench_serve_workload_flags_match_the_benches() -> None:
+    from common import bench_flags, bench_serve
+    ours = {a.dest: a.default for a in bench_serve.build_parser()._actions}
+    theirs = {a.dest: a.default for a in bench_flags.build_parser("bench")._actions}
+    for flag, _ in bench_serve.WORKLOAD_FLAGS:
+        dest = flag.lstrip("-").replace("-", "_")
+        assert ours[dest] == theirs[dest], flag
+
+
+
+# ----------------------------------------------------------------------------- serve-overhead
+
+def test_serve_overhead_sides_take_the_same_flags() -> None:
+    """Both sides run one workload (bench's and bench-serve's parsers read the same flags) on the
+    server's manager, built from the knobs `stagewise serve` takes."""
+    import argparse
+
+    from common import bench_flags, bench_serve, serve_cli, serve_overhead
+    a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
+    workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
+    local = bench_flags.build_parser("bench").parse_args(workload)
+    remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
+    server = argparse.ArgumentParser()
+    serve_cli.add_serve_args(server)
+    served = server.parse_args(knobs + ["--model", "tiny"])
+    for name in ("num_requests", "max_new_tokens", "prompt", "unique_prompts", "no_stop_on_eos", "seed"):
+        assert getattr(local, name) == getattr(remote, name), name
+    assert served.no_prefix_cache and served.stream_interval == 1 and served.dtype == "float32"
+    assert served.max_batch_size == served.prefill_max_batch_size == a.num_requests  # one burst, one prefill
+    assert not local.pretok
+
+
+
+def test_serve_overhead_figures() -> None:
+    from types import SimpleNamespace
+
+    from common.serve_overhead import intake_span_ms, overhead, pair
+    burst = [SimpleNamespace(timings={"submitted": t}) for t in (2.0015, 2.0, 2.0105)]
+    assert intake_span_ms(burst) == pytest.approx(10.5)
+    http = {"throughput_tok_s": {"completion": 90.0}, "ttft_ms": {"p50": 14.0}}
+    local = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 10.0}}
+    got = overhead(http, local)
+    assert got["throughput_loss_pct"] == pytest.approx(10.0) and got["ttft_p50_added_ms"] == pytest.approx(4.0)
+    assert got["within_targets"]
+    assert not overhead({**http, "ttft_ms": {"p50": 16.0}}, local)["within_targets"]
+    # Like for like: where the in-process consumer got its first token, when the run has that stamp.
+    received = overhead(http, {**local, "ttft_received_ms": {"p50": 12.0}})
+    assert received["ttft_p50_added_ms"] == pytest.approx(2.0)
+    assert received["ttft_p50_ms"] == {"http": 14.0, "in_process": 12.0, "in_process_sampled": 10.0}
+    # A pair is judged net of each run's own prefill: here HTTP's prefill ran 100 ms slower.
+    http_run = {"throughput_tok_s": {"completion": 95.0}, "ttft_ms": {"p50": 620.0}}
+    local_run = {"throughput_tok_s": {"completion": 100.0}, "ttft_ms": {"p50": 510.0},
+                 "ttft_received_ms": {"p50": 512.0}, "prefill_to_first_token_ms": {"p50": 500.0},
+                 "queue_wait_ms": {"p50": 6.0}, "intake_span_ms": 5.0}
+    http_engine = {"prefill_to_first_token_ms": {"p50": 600.0}, "queue_wait_ms": {"p50": 9.0}, "intake_span_ms": 12.0}
+    p = pair(http_run, http_engine, local_run, "http")
+    assert p["intake_span_ms"] == {"http": 12.0, "in_process": 5.0}
+    assert p["ttft_p50_added_ms"] == pytest.approx(8.0) and p["ttft_p50_added_raw_ms"] == pytest.approx(108.0)
+    assert p["throughput_loss_pct"] == pytest.approx(5.0)
+    pairs = [p, {**p, "ttft_p50_added_ms": 2.0, "throughput_loss_pct": 1.0},
+             {**p, "ttft_p50_added_ms": 3.0, "throughput_loss_pct": 20.0}]
+    both = overhead(http_run, local_run, pairs)
+    assert both["ttft_p50_added_ms"] == pytest.approx(3.0) and both["throughput_loss_pct"] == pytest.approx(5.0)
+    assert both["within_targets"] and both["pairs"] == pairs
+
+
+
+def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
+    """End to end: the server thread, bench-serve stepping through stdin, the JSON."""
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "serve-overhead", "--model", "tiny", "--device", "cpu",
+                           "--dtype", "float32", "--num-requests", "4", "--max-batch-size", "4",
+                           "--prefill-max-batch-size", "4", "--max-new-tokens", "3", "--warmup-runs", "1",
+                           "--repeat-runs", "2", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    figures = result["overhead"]
+    assert [p["first"] for p in figures["pairs"]] == ["in-process", "http"]
+    assert len(result["runs"]) == 2 and len(result["compare"][0]["runs"]) == 2
+    for p in figures["pairs"]:
+        assert p["prefill_p50_ms"]["http"] > 0 and p["prefill_p50_ms"]["in_process"] > 0
+        assert p["intake_span_ms"]["http"] > 0 and p["intake_span_ms"]["in_process"] > 0  # 4 requests, 4 stamps
+        assert p["loop_cpu_us_per_request"] > 0 and p["loop_cpu_us_per_token"] > 0  # the event loop did the HTTP
+    assert figures["loop_cpu_us_per_request"] > 0
+    assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
+    assert result["env"]["git_commit"] and result["dtype"] == "float32"
+

@@ -1,10 +1,14 @@
-"""common/http_transport.py: a response's head leaves with its first body part, in one write."""
+"""common/http_transport.py: a response's head leaves with its first body part, in one write;
+the listening socket fails fast on a taken port and gives connections with Nagle off."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
-from common.http_transport import HeadWithBody, http_protocol
+import pytest
+
+from common.http_transport import HeadWithBody, bind_socket, http_protocol
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
 CHUNK = b"1a\r\ndata: {\"text\": \"Hi\"}\n\n\r\n"
@@ -88,3 +92,37 @@ def test_the_server_protocol_wraps_every_connection() -> None:
         return protocol.transport
 
     assert isinstance(asyncio.run(main()), HeadWithBody)
+
+
+def test_port_in_use_fails_fast() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", taken.getsockname()[1])
+
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    """Every accepted connection sends at once (TCP_NODELAY). asyncio sets it only when the
+    listening socket was made with IPPROTO_TCP; without it, every first token of a stream
+    waited 40 ms for the client's delayed ACK."""
+    sock = bind_socket("127.0.0.1", 0)
+    nodelay: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            conn = transport.get_extra_info("socket")
+            nodelay.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        async with server:
+            reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            await asyncio.wait_for(reader.read(), timeout=10)  # the probe closes it
+            writer.close()
+
+    asyncio.run(accept_one())
+    assert nodelay and nodelay[0] != 0
+
