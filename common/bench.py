@@ -247,7 +247,7 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     floor = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))  # in-process runs
     if fresh:
         from common.engine_worker import run_bench_engines
-        correctness = run_bench_engines(specs, stage_package, argv, mode, requests)
+        correctness = run_bench_engines(specs, stage_package, argv, mode, requests, rounds=args.rounds)
     elif mode == "streaming":
         from common import streaming_bench
         correctness = streaming_bench.run_streaming_engines(specs, requests, args, after_run=floor)
@@ -266,6 +266,8 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
         headers = [offline_header(args, loaded, s) for s in specs]
     for header in headers:
         header["Process"] = "fresh, this engine alone" if fresh or len(specs) == 1 else "shared, engines alternating"
+        if fresh and args.rounds > 1:
+            header["Process"] = f"fresh, this engine alone, {args.rounds} processes interleaved with the others'"
 
     results = [engine_result(s, mode) for s in specs]
     for result, header in zip(results, headers):

@@ -113,6 +113,9 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate")
     g.add_argument("--same-process", action="store_true",
                    help="run compared engines in this one process, alternating (default: each in a fresh process)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="with --compare/--baseline: fresh processes per engine, interleaved (A B, A B, ...), "
+                        "their runs pooled, so a slow minute of the machine falls on both")
     g.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
     add_streaming_args(p)
     if defaults:
@@ -158,11 +161,14 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
 def check_args(args: argparse.Namespace) -> None:
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
-    for name in ("num_requests", "max_new_tokens", "max_batch_size", "repeat_runs"):
+    for name in ("num_requests", "max_new_tokens", "max_batch_size", "repeat_runs", "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1")
     if args.warmup_runs < 0:
         raise SystemExit("--warmup-runs: must be >= 0")
+    if args.rounds > 1 and (args.same_process or not (args.compare or args.baseline)):
+        raise SystemExit("--rounds: fresh processes per compared engine; it needs --compare or --baseline "
+                         "and cannot go with --same-process")
 
 
 def workload_from_args(tokenizer, args: argparse.Namespace):

@@ -11,6 +11,11 @@ parent prints the reports and checks the greedy token ids across engines, as bef
 
     python -m common.engine_worker JOB.json OUT.json       (written and read by `spawn`)
 
+With `--rounds R` each engine gets R fresh processes, interleaved (A B C, A B C, ...), and its
+runs are pooled: a shared VM has slow minutes, and one that falls on one engine's only process
+moves that engine alone (the same stage 09 code gave 85 and 119 ms decode steps in two rungs of
+one ladder); spread over rounds, it falls on every engine alike.
+
 `run_bench_engines` and `run_ladder_engines` are the parents' side; `bench_job` and
 `ladder_job` the child's.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,42 +70,84 @@ def spawn(job: dict, engine: str) -> dict:
 
 # ----------------------------------------------------------------------------- parent side
 
-def run_bench_engines(specs: list, stage_package: str, argv: list[str], mode: str, requests: list) -> dict:
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One engine's worker results from several fresh processes, pooled as if from one: every
+    timed run, every floor sample (the floor is their median), every process. Greedy decoding is
+    deterministic, so a round whose first-run tokens differ from round 1's is an error."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    got = dict(rounds[-1])  # kv, env: the last process's
+    got["summaries"] = [s for r in rounds for s in r["summaries"]]
+    got["first_tokens"] = first["first_tokens"]
+    got["setup_s"] = [t for r in rounds for t in r.get("setup_s") or []]
+    samples = [t for r in rounds for t in r["floor"]["floor_samples_ms"]]
+    got["floor"] = {**first["floor"], "floor_ms": float(statistics.median(samples)), "floor_samples_ms": samples}
+    got["process"] = {**first["process"], "pids": [r["process"]["pid"] for r in rounds], "rounds": len(rounds)}
+    got["error"] = next((r.get("error") for r in rounds if r.get("error")), None)
+    if got["error"] is None and any(r["first_tokens"] != first["first_tokens"] for r in rounds):
+        got["error"] = "its greedy token ids differ between rounds (fresh processes)"
+    return got
+
+
+def run_bench_engines(specs: list, stage_package: str, argv: list[str], mode: str, requests: list,
+                      rounds: int = 1) -> dict:
     """Each bench engine alone in its own worker process (warmups, then repeats), one after the
-    other; their results land on `specs` (common.bench.EngineSpec). Returns the token-id check."""
+    other, `rounds` times over; their results land on `specs` (common.bench.EngineSpec). Returns
+    the token-id check."""
     from common.bench import check_same_tokens
 
     digest = workload_digest(requests)
+    got: dict[str, list[dict]] = {spec.name: [] for spec in specs}
+    for r in range(rounds):
+        for spec in specs:
+            print(f"=== {spec.name}: fresh process{_round(r, rounds)} ===", flush=True)
+            job = {"kind": "bench", "package": stage_package, "argv": argv, "engine": spec.name, "mode": mode}
+            result = spawn(job, spec.name)
+            if result["workload_digest"] != digest:
+                raise WorkerError(f"{spec.name}: its worker built a different workload (digest "
+                                  f"{result['workload_digest']} != {digest}); the workload must depend on the flags only")
+            got[spec.name].append(result)
     for spec in specs:
-        print(f"=== {spec.name}: fresh process ===", flush=True)
-        job = {"kind": "bench", "package": stage_package, "argv": argv, "engine": spec.name, "mode": mode}
-        got = spawn(job, spec.name)
-        if got["workload_digest"] != digest:
-            raise WorkerError(f"{spec.name}: its worker built a different workload (digest "
-                              f"{got['workload_digest']} != {digest}); the workload must depend on the flags only")
-        spec.summaries, spec.first_tokens = got["summaries"], got["first_tokens"]
-        spec.kv, spec.floor, spec.process = got["kv"], got["floor"], got["process"]
+        merged = merge_rounds(got[spec.name])
+        if merged.get("error"):
+            raise WorkerError(f"{spec.name}: {merged['error']}")
+        spec.summaries, spec.first_tokens = merged["summaries"], merged["first_tokens"]
+        spec.kv, spec.floor, spec.process = merged["kv"], merged["floor"], merged["process"]
     return check_same_tokens(specs, requests)
 
 
-def run_ladder_engines(engines: list, argv: list[str], requests: list) -> None:
+def run_ladder_engines(engines: list, argv: list[str], requests: list, rounds: int = 1) -> None:
     """Each ladder rung (common.ladder.Engine) alone in its own worker process, one after the
-    other; a rung whose worker fails gets `error` set and the ladder goes on without it."""
+    other, `rounds` times over; a rung whose worker fails gets `error` set and the ladder goes on
+    without it."""
     digest = workload_digest(requests)
+    got: dict[str, list[dict]] = {e.name: [] for e in engines}
+    for r in range(rounds):
+        for e in engines:
+            if e.error is not None:
+                continue
+            print(f"=== {e.name}: fresh process{_round(r, rounds)} ===", file=sys.stderr, flush=True)
+            try:
+                result = spawn({"kind": "ladder", "argv": argv, "engine": e.name}, e.name)
+            except WorkerError as exc:
+                e.error = str(exc)
+                print(f"WARNING: {e.error}", file=sys.stderr, flush=True)
+                continue
+            if result["workload_digest"] != digest:
+                e.error = f"its worker built a different workload (digest {result['workload_digest']} != {digest})"
+            got[e.name].append(result)
     for e in engines:
-        print(f"=== {e.name}: fresh process ===", file=sys.stderr, flush=True)
-        try:
-            got = spawn({"kind": "ladder", "argv": argv, "engine": e.name}, e.name)
-        except WorkerError as exc:
-            e.error = str(exc)
-            print(f"WARNING: {e.error}", file=sys.stderr, flush=True)
+        if e.error is not None or not got[e.name]:
             continue
-        if got["workload_digest"] != digest:
-            e.error = f"its worker built a different workload (digest {got['workload_digest']} != {digest})"
-        else:
-            e.error = got["error"]
-        e.summaries, e.first_tokens, e.kv = got["summaries"], got["first_tokens"], got["kv"]
-        e.setup_s, e.floor, e.process = got["setup_s"], got["floor"], got["process"]
+        merged = merge_rounds(got[e.name])
+        e.error = merged["error"]
+        e.summaries, e.first_tokens, e.kv = merged["summaries"], merged["first_tokens"], merged["kv"]
+        e.setup_s, e.floor, e.process = merged["setup_s"], merged["floor"], merged["process"]
+
+
+def _round(r: int, rounds: int) -> str:
+    return f", round {r + 1} of {rounds}" if rounds > 1 else ""
 
 
 # ----------------------------------------------------------------------------- child side

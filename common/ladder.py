@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streaming: stages 04+ through their SchedulerManager (shows stages 06-09)")
     p.add_argument("--warmup-runs", type=int, default=1)
     p.add_argument("--repeat-runs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="fresh processes per engine, interleaved (A B C, A B C, ...), each doing the warmups "
+                        "and repeats; their runs are pooled, so a slow minute of the machine falls on every engine")
     p.add_argument("--stages", default=None, help="subset, e.g. 1,2,4 (default: all)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     p.add_argument("--threads", type=int, default=None,
@@ -113,8 +116,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     preset = WORKLOADS[args.workload][2]
     args.max_batch_size = args.max_batch_size or preset.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)
     args.prefill_max_batch_size = args.prefill_max_batch_size or preset.get("prefill_max_batch_size")
-    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.max_batch_size < 1:
-        raise SystemExit("--repeat-runs and --max-batch-size must be >= 1, --warmup-runs >= 0")
+    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.max_batch_size < 1 or args.rounds < 1:
+        raise SystemExit("--repeat-runs, --rounds and --max-batch-size must be >= 1, --warmup-runs >= 0")
+    if args.rounds > 1 and args.same_process:
+        raise SystemExit("--rounds: fresh processes per engine; it cannot go with --same-process")
     return args
 
 
@@ -302,7 +307,7 @@ def run_ladder(argv: list[str] | None = None) -> dict:
             e.process = shared_process(len(engines))
     else:
         from common.engine_worker import run_ladder_engines
-        run_ladder_engines(engines, argv, requests)
+        run_ladder_engines(engines, argv, requests, rounds=args.rounds)
     correctness = check_tokens(engines)
     ref = correctness.get("reference")
     skipped += [{"engine": e.name, "reason": e.error} for e in engines if e.error]

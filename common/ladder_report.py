@@ -46,8 +46,11 @@ def format_table(data: dict) -> str:
     floors = [r["floor_ms"] for r in rows if r.get("floor_ms") is not None]
     if floors:
         batch = next(r.get("floor_batch") for r in rows if r.get("floor_ms") is not None)
+        rounds = data["config"].get("rounds", 1)
+        where, per = ("process", "that process's floor") if rounds == 1 else \
+            (f"{rounds} processes", "the median of its processes' floors")
         lines.append(f"Matmul floor at batch {batch} (the model's matmuls alone, measured in each engine's "
-                     f"process): {min(floors):.3f}-{max(floors):.3f} ms; x floor = step ms / that process's floor")
+                     f"{where}): {min(floors):.3f}-{max(floors):.3f} ms; x floor = step ms / {per}")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
 
@@ -56,6 +59,9 @@ def _method(data: dict) -> str:
     """Old results (no `same_process` in their config) ran every engine in one process."""
     if data["config"].get("same_process", True):
         return "engines alternating in one process"
+    rounds = data["config"].get("rounds", 1)
+    if rounds > 1:
+        return f"each engine in {rounds} fresh processes, interleaved"
     return "each engine in its own fresh process"
 
 

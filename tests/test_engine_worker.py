@@ -83,6 +83,81 @@ def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
     assert "correctness: greedy token ids identical across s03_paged_attention, s02_kv_cache" in text
 
 
+def test_rounds_interleave_fresh_processes_and_pool_their_runs(tmp_path, capfd) -> None:
+    """--rounds 2: A B, A B, each in a new process; each engine's JSON holds both processes' runs
+    and floor samples, and the floor is their median."""
+    from common.bench import run_stage_bench
+
+    data = run_stage_bench("stages.s03_paged_attention", [
+        "--model", "tiny", "--device", "cpu", "--compare", "--rounds", "2", "--num-requests", "2",
+        "--max-new-tokens", "2", "--prompt-len-min", "4", "--prompt-len-max", "9", "--warmup-runs", "0",
+        "--repeat-runs", "1"])
+    text = capfd.readouterr().out
+    order = [line.split(":")[0].strip("= ") for line in text.splitlines() if "fresh process, round" in line]
+    assert order == ["s03_paged_attention", "s02_kv_cache", "s03_paged_attention", "s02_kv_cache"]
+    pids = set()
+    for r in (data, data["compare"][0]):
+        assert len(r["runs"]) == 2 and r["process"]["rounds"] == 2 and len(r["floor_samples_ms"]) == 2
+        assert r["floor_ms"] == pytest.approx(sum(r["floor_samples_ms"]) / 2, rel=1e-3)
+        pids |= set(r["process"]["pids"])
+    assert len(pids) == 4 and os.getpid() not in pids
+    assert data["correctness"]["equal"] and "2 processes interleaved" in text
+
+
+def test_merge_rounds_pools_runs_and_catches_tokens_that_differ() -> None:
+    from common.engine_worker import merge_rounds
+
+    def worker(pid: int, tokens: list[list[int]], floor_ms: float) -> dict:
+        return {"summaries": [{"pid": pid}], "first_tokens": tokens, "kv": {"pid": pid}, "setup_s": [0.1],
+                "floor": {"floor_ms": floor_ms, "floor_batch": 2, "floor_samples_ms": [floor_ms]},
+                "process": {"fresh_process": True, "engines_in_process": 1, "pid": pid, "exit_code": 0},
+                "error": None}
+
+    one = worker(1, [[5, 6]], 10.0)
+    assert merge_rounds([one]) is one
+    got = merge_rounds([one, worker(2, [[5, 6]], 30.0), worker(3, [[5, 6]], 11.0)])
+    assert [s["pid"] for s in got["summaries"]] == [1, 2, 3] and got["kv"] == {"pid": 3}
+    assert got["floor"]["floor_ms"] == 11.0 and got["floor"]["floor_samples_ms"] == [10.0, 30.0, 11.0]
+    assert got["process"]["pids"] == [1, 2, 3] and got["process"]["rounds"] == 3 and got["error"] is None
+    assert "differ between rounds" in merge_rounds([one, worker(2, [[5, 7]], 10.0)])["error"]
+
+
+def test_rounds_need_fresh_processes(capsys) -> None:
+    from common import bench_flags, ladder
+    from common.bench import run_stage_bench
+
+    with pytest.raises(SystemExit, match="--rounds"):
+        run_stage_bench("stages.s03_paged_attention", ["--model", "tiny", "--rounds", "2"])  # nothing compared
+    with pytest.raises(SystemExit, match="--rounds"):
+        run_stage_bench("stages.s03_paged_attention", ["--model", "tiny", "--rounds", "2", "--compare",
+                                                       "--same-process"])
+    with pytest.raises(SystemExit, match="--rounds"):
+        ladder.parse_args(["--out", "/tmp/x", "--rounds", "2", "--same-process"])
+    with pytest.raises(SystemExit, match="--rounds"):
+        ladder.parse_args(["--out", "/tmp/x", "--rounds", "0"])
+    assert bench_flags.build_parser("bench").parse_args([]).rounds == 1
+
+
+def test_ladder_rounds_run_every_rung_once_per_round(monkeypatch, tmp_path) -> None:
+    from common import engine_worker, ladder
+
+    calls: list[str] = []
+    real_spawn = engine_worker.spawn
+
+    def recording_spawn(job: dict, engine: str) -> dict:
+        calls.append(engine)
+        return real_spawn(job, engine)
+
+    monkeypatch.setattr(engine_worker, "spawn", recording_spawn)
+    data = ladder.run_ladder(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--num-requests", "2",
+                              "--max-new-tokens", "2", "--repeat-runs", "1", "--warmup-runs", "0", "--stages", "2,3",
+                              "--no-hf", "--rounds", "2"])
+    assert calls == ["s02_kv_cache", "s03_paged_attention", "s02_kv_cache", "s03_paged_attention"]
+    assert all(len(e["runs"]) == 2 and e["process"]["rounds"] == 2 for e in data["entries"])
+    assert data["correctness"]["equal"]
+    assert "each engine in 2 fresh processes, interleaved" in (tmp_path / "ladder.cpu.txt").read_text()
+
+
 def test_a_failing_worker_names_its_engine() -> None:
     job = {"kind": "bench", "package": "no_such_stage_package", "argv": [], "engine": "s42_broken", "mode": "offline"}
     with pytest.raises(WorkerError, match=r"s42_broken: its worker process \(pid \d+\) exited with code 1"):

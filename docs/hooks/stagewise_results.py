@@ -366,7 +366,10 @@ def render_bench_results(root: Path, path: str, page_src: str | None = None,
     if len(runs) >= 2:
         out += ["", "Values are medians over the repeats; <small>(min–max)</small> is their spread."]
     if data.get("compare"):
+        rounds = (data.get("config") or {}).get("rounds") or 1
         where = "each engine in its own fresh process" if _fresh(data) else "same process"
+        if _fresh(data) and rounds > 1:
+            where = f"each engine in {rounds} fresh processes, interleaved"
         out += ["", f"**Side by side, same workload, {where}** "
                     f"(× = how many times better `{ours}` is: higher throughput or lower time/memory):",
                 "", _compare_table(data, ours), ""]
