@@ -61,7 +61,8 @@ def _method(data: dict) -> str:
         return "engines alternating in one process"
     rounds = data["config"].get("rounds", 1)
     if rounds > 1:
-        return f"each engine in {rounds} fresh processes, interleaved"
+        runs = rounds * data["config"]["repeat_runs"]
+        return f"in each of {rounds} fresh processes per engine, interleaved ({runs} timed runs per engine)"
     return "each engine in its own fresh process"
 
 

@@ -155,7 +155,8 @@ def test_ladder_rounds_run_every_rung_once_per_round(monkeypatch, tmp_path) -> N
     assert calls == ["s02_kv_cache", "s03_paged_attention", "s02_kv_cache", "s03_paged_attention"]
     assert all(len(e["runs"]) == 2 and e["process"]["rounds"] == 2 for e in data["entries"])
     assert data["correctness"]["equal"]
-    assert "each engine in 2 fresh processes, interleaved" in (tmp_path / "ladder.cpu.txt").read_text()
+    assert "in each of 2 fresh processes per engine, interleaved (2 timed runs per engine)" \
+        in (tmp_path / "ladder.cpu.txt").read_text()
 
 
 def test_a_failing_worker_names_its_engine() -> None:
