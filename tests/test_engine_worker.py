@@ -102,6 +102,7 @@ def test_rounds_interleave_fresh_processes_and_pool_their_runs(tmp_path, capfd) 
         pids |= set(r["process"]["pids"])
     assert len(pids) == 4 and os.getpid() not in pids
     assert data["correctness"]["equal"] and "2 processes interleaved" in text
+    assert "Repeats: 1 (+0 warmup) in each of 2 processes, medians of all 2" in text
 
 
 def test_merge_rounds_pools_runs_and_catches_tokens_that_differ() -> None:
