@@ -264,12 +264,15 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
         headers = [streaming_bench.streaming_header(args, loaded, s) for s in specs]
     else:
         headers = [offline_header(args, loaded, s) for s in specs]
+    process = "fresh, this engine alone" if fresh or len(specs) == 1 else "shared, engines alternating"
+    rounds = args.rounds if fresh else 1
+    if rounds > 1:
+        process += f", {rounds} processes interleaved with the others'"
     for header in headers:
-        header["Process"] = "fresh, this engine alone" if fresh or len(specs) == 1 else "shared, engines alternating"
-        if fresh and args.rounds > 1:
-            header["Process"] = f"fresh, this engine alone, {args.rounds} processes interleaved with the others'"
-            header["Repeats"] = (f"{args.repeat_runs} (+{args.warmup_runs} warmup) in each of {args.rounds} "
-                                 f"processes, medians of all {args.rounds * args.repeat_runs}")
+        header["Process"] = process
+        if rounds > 1:
+            header["Repeats"] = (f"{args.repeat_runs} (+{args.warmup_runs} warmup) in each of {rounds} "
+                                 f"processes, medians of all {rounds * args.repeat_runs}")
 
     results = [engine_result(s, mode) for s in specs]
     for result, header in zip(results, headers):

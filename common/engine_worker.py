@@ -125,8 +125,8 @@ def run_ladder_engines(engines: list, argv: list[str], requests: list, rounds: i
     got: dict[str, list[dict]] = {e.name: [] for e in engines}
     for r in range(rounds):
         for e in engines:
-            if e.error is not None:
-                continue
+            if e.error is not None or any(result.get("error") for result in got[e.name]):
+                continue  # a rung that failed once is not run again
             print(f"=== {e.name}: fresh process{_round(r, rounds)} ===", file=sys.stderr, flush=True)
             try:
                 result = spawn({"kind": "ladder", "argv": argv, "engine": e.name}, e.name)
@@ -135,13 +135,13 @@ def run_ladder_engines(engines: list, argv: list[str], requests: list, rounds: i
                 print(f"WARNING: {e.error}", file=sys.stderr, flush=True)
                 continue
             if result["workload_digest"] != digest:
-                e.error = f"its worker built a different workload (digest {result['workload_digest']} != {digest})"
+                result["error"] = f"its worker built a different workload (digest {result['workload_digest']} != {digest})"
             got[e.name].append(result)
     for e in engines:
-        if e.error is not None or not got[e.name]:
+        if not got[e.name]:
             continue
         merged = merge_rounds(got[e.name])
-        e.error = merged["error"]
+        e.error = e.error or merged["error"]
         e.summaries, e.first_tokens, e.kv = merged["summaries"], merged["first_tokens"], merged["kv"]
         e.setup_s, e.floor, e.process = merged["setup_s"], merged["floor"], merged["process"]
 

@@ -17,7 +17,7 @@ instead (all requests submitted at once), which is where those stages show.
     stagewise ladder --out docs/results                       # smollm2-135m, default workload
     stagewise ladder --model tiny --out /tmp/ladder           # a quick check (under a minute)
     stagewise ladder --workload burst --mode streaming --tag --out docs/results
-    stagewise ladder --workload decode-step --tag --out docs/results   # step ms and x floor at batch 16
+    stagewise ladder --workload decode-step --rounds 3 --repeat-runs 1 --tag --out docs/results   # vs the floor
     stagewise ladder --workload long-prompts --mode streaming --stages 9,10,11 --tag --out docs/results
 
 The workloads, and what each one shows, are in common/ladder_workloads.py. The table and chart

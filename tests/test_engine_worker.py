@@ -139,6 +139,27 @@ def test_rounds_need_fresh_processes(capsys) -> None:
     assert bench_flags.build_parser("bench").parse_args([]).rounds == 1
 
 
+def test_a_rung_that_fails_in_a_round_is_not_run_again(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from common import engine_worker
+
+    calls: list[str] = []
+
+    def fake_spawn(job: dict, engine: str) -> dict:
+        calls.append(engine)
+        return {"workload_digest": engine_worker.workload_digest([]), "summaries": [{}], "first_tokens": [[1]],
+                "kv": None, "setup_s": [], "process": {"pid": len(calls)},
+                "floor": {"floor_ms": 1.0, "floor_batch": 1, "floor_samples_ms": [1.0]},
+                "error": "RuntimeError: boom" if engine == "bad" else None}
+
+    monkeypatch.setattr(engine_worker, "spawn", fake_spawn)
+    good, bad = (SimpleNamespace(name=n, error=None) for n in ("good", "bad"))
+    engine_worker.run_ladder_engines([good, bad], [], [], rounds=3)
+    assert calls == ["good", "bad", "good", "good"]
+    assert bad.error == "RuntimeError: boom" and good.error is None and len(good.summaries) == 3
+
+
 def test_ladder_rounds_run_every_rung_once_per_round(monkeypatch, tmp_path) -> None:
     from common import engine_worker, ladder
 
