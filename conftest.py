@@ -3,17 +3,34 @@
 The `tiny` model (random weights, SmolLM2's real tokenizer) keeps the suite fast on a
 2-core CPU; `hf_greedy` is the reference every stage is checked against: Hugging Face
 transformers' `generate`, run one prompt at a time.
+
+`STAGEWISE_TEST_DEVICE=cuda make test` runs the same tests on a GPU: `tiny`, its transformers
+twin and the server's model then live there, in fp32 (the parity tests compare tokens exactly,
+which bf16, CUDA's default dtype, would not allow). Unset, everything runs on the CPU, as in CI.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+TEST_DEVICE = os.environ.get("STAGEWISE_TEST_DEVICE", "cpu")  # cpu | cuda | cuda:N
 STAGE_DIRS = sorted(p.name for p in (Path(__file__).parent / "stages").glob("s[0-9]*_*") if (p / "__init__.py").exists())
+
+
+def pytest_configure(config) -> None:
+    """A device the machine does not have stops the run at once, not in every test's fixture."""
+    if TEST_DEVICE != "cpu":
+        from common.loader import resolve_device
+
+        try:
+            resolve_device(TEST_DEVICE)
+        except ValueError as exc:
+            raise pytest.UsageError(f"STAGEWISE_TEST_DEVICE: {exc}") from None
 
 
 def stage_module(name: str):
@@ -31,19 +48,19 @@ def streaming_packages() -> list[str]:
 def tiny():
     from common.loader import load_model
 
-    return load_model("tiny", device="cpu")
+    return load_model("tiny", device=TEST_DEVICE, dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def hf_tiny(tiny):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32).to(tiny.device).eval()
 
 
 def run_hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids) -> list[int]:
     """transformers' greedy `generate` on one prompt (no padding), stopping at EOS."""
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=hf_model.device)
     with torch.no_grad():
         out = hf_model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,

@@ -56,7 +56,7 @@ def test_every_prompt_of_a_burst_gets_its_own_logits(tiny, hf_tiny, stage):
         for burst in bursts:
             logits = _prefill(engine, burst)  # [N, V]
             for prompt, row in zip(burst, logits):
-                expected = hf_tiny(torch.tensor([prompt])).logits[0, -1]
+                expected = hf_tiny(torch.tensor([prompt], device=hf_tiny.device)).logits[0, -1]
                 torch.testing.assert_close(row, expected, atol=ATOL, rtol=0)
     if hasattr(engine.prefix_cache, "match"):  # stage 10's block cache: the second burst did read a cached prefix
         assert engine.prefix_cache.hits == 1

@@ -29,6 +29,7 @@ from common.openai_protocol import StopMatcher, choice, envelope, sse, text_even
 from common.http_transport import bind_socket
 from common.serve import ServeState
 from common.serve_cli import make_server
+from conftest import TEST_DEVICE
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE = registry.load_stage(9)
@@ -69,7 +70,7 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def loaded():
     from common.loader import load_model
-    return load_model("tiny", device="cpu")
+    return load_model("tiny", device=TEST_DEVICE, dtype="float32")
 
 
 @pytest.fixture(scope="module")
