@@ -1,0 +1,113 @@
+"""bf16, CUDA's default dtype, run on the CPU: a dtype slip is caught in CI, which has no GPU.
+
+On a GPU every stage runs in bf16 unless told otherwise (`resolve_dtype`), while every other test
+runs `tiny` in fp32 so that tokens can be compared exactly. A tensor made in the wrong dtype (a KV
+pool or a mask in fp32 beside bf16 activations, say) either raises inside SDPA or silently costs
+twice the KV memory; the CPU takes the same code paths in bf16, so both show here.
+
+What bf16 cannot give is exact parity: transformers' bf16 `generate` rounds the same ops in the
+same order only where the shapes are the same, and a stage batches, pads and chunks. So the check
+is the one the Metrics page reports for CUDA: the first token of every prompt equals transformers'
+(one prompt's prefill), and tokens agree up to the first difference for nearly all of a greedy
+continuation (after a difference a row goes on from another prefix, so nothing after it counts).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.requests import Request, SamplingParams
+from conftest import STAGE_DIRS, run_hf_greedy, stage_module, streaming_packages
+
+MAX_NEW = 16
+MIN_AGREEMENT = 0.9  # share of tokens before each row's first difference; measured 0.94-1.0 (torch 2.13, 3 seeds)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    from common.loader import load_model
+
+    return load_model("tiny", device="cpu", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(tiny_bf16):
+    """12 random token prompts of 1-90 tokens, and transformers' bf16 greedy tokens for each."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_bf16.path, dtype=torch.bfloat16).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 90))] for _ in range(12)]
+    return prompts, [run_hf_greedy(hf, p, MAX_NEW, tiny_bf16.config.eos_token_ids) for p in prompts]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Batches of four tiny rows: torch's intra-op threads would only fight over a 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of the reference's tokens that come before their row's first difference."""
+    agreed = 0
+    for out, ref in zip(outputs, reference):
+        agreed += next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+    return agreed / sum(len(ref) for ref in reference)
+
+
+def _check_kv_dtype(engine, config, batches: list[list[list[int]]]) -> None:
+    """The KV memory the engine reports is bf16's: 2 bytes a value, not fp32's 4."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # K and V, bf16
+    stats = engine.kv_stats()
+    if "pool_kv_bytes" in stats:  # stage 03 on: one pool of blocks
+        assert stats["pool_kv_bytes"] == stats["num_blocks"] * stats["block_size"] * per_token
+    elif stats["peak_kv_bytes"]:  # stage 02: a rectangle per static batch, the largest batch's kept
+        biggest = max(len(b) * (max(map(len, b)) + MAX_NEW) for b in batches)
+        assert stats["peak_kv_bytes"] == biggest * per_token
+
+
+@pytest.mark.parametrize("stage", STAGE_DIRS)
+def test_offline_generate_in_bf16_agrees_with_transformers_bf16(stage, tiny_bf16, prompts_and_reference):
+    prompts, reference = prompts_and_reference
+    engine = stage_module(stage).InferenceEngine(tiny_bf16, max_batch_size=4)
+    completions = engine.generate([Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
+                                   for p in prompts])
+    outputs = [c.token_ids for c in completions]
+    assert [out[0] for out in outputs] == [ref[0] for ref in reference], stage
+    assert _agreement(outputs, reference) >= MIN_AGREEMENT, (stage, outputs, reference)
+    _check_kv_dtype(engine, tiny_bf16.config, [prompts[i:i + 4] for i in range(0, len(prompts), 4)])
+
+
+@pytest.mark.parametrize("package", streaming_packages())
+def test_streaming_in_bf16_through_the_scheduler_manager(package, tiny_bf16, prompts_and_reference):
+    """The server's path: the worker thread, streamed chunks, seeded sampling, all in bf16."""
+    from common import stages as registry
+
+    stage = registry.load_stage(package)
+    prompts, reference = prompts_and_reference
+    manager = stage.SchedulerManager(stage.InferenceEngine(tiny_bf16, max_batch_size=4), max_batch_size=4)
+    try:
+        greedy = [manager.add_request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
+                  for p in prompts]
+        sampled = [manager.add_request(prompt_token_ids=p, params=SamplingParams(
+            max_new_tokens=MAX_NEW, do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=7, stop_on_eos=False))
+            for p in prompts[:4]]
+        outputs = []
+        for handle in greedy + sampled:
+            chunks = list(handle)  # ends when the request does; raises the request's error if it failed
+            completion = handle.result(timeout=60)
+            assert [t for c in chunks for t in c.token_ids] == completion.token_ids
+            assert "".join(c.text for c in chunks) == completion.text
+            outputs.append(completion.token_ids)
+    finally:
+        manager.close()
+    greedy_out, sampled_out = outputs[:len(prompts)], outputs[len(prompts):]
+    assert [out[0] for out in greedy_out] == [ref[0] for ref in reference], package
+    assert _agreement(greedy_out, reference) >= MIN_AGREEMENT, package
+    assert all(len(out) == MAX_NEW for out in sampled_out)
