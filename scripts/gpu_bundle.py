@@ -1,0 +1,137 @@
+"""Pack what a GPU machine without a package index needs to run stagewise from this checkout.
+
+    make venv && .venv/bin/python scripts/gpu_bundle.py     # here, once: writes .device/
+
+Then, on the GPU machine (the working tree copied there, with the folders this prints):
+
+    source scripts/gpu_env.sh && STAGEWISE_TEST_DEVICE=cuda python3 -m pytest -q
+
+Why it looks like this: the GPU machines this project borrows have Python 3.12 with a CUDA build
+of torch and transformers, no package index, and take at most 64 MiB of files per call. So the
+bundle holds only what their image lacks, in the exact versions `make venv` installed here:
+
+- `.device/base/whl/`: wheels of the serving and client stack (FastAPI, uvicorn, the openai SDK,
+  gguf, ...), the dependency closure read from this venv's metadata, minus the packages the GPU
+  image brings in its own build (torch, transformers, numpy, ...).
+- `.device/base/smollm2-135m-tokenizer/`: the converted tokenizer (3 MB). `tiny` and
+  `gpt2-random` are built there from it, so no model travels for the tests or for timing.
+- `.device/gguf-1/`, `.device/gguf-2/`: SmolLM2's GGUF (98 MB) in halves, one per call;
+  `gpu_env.sh` keeps each half on the machine (while it stays warm) and joins them once both came.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata as md
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ROOTS = ["fastapi", "uvicorn", "httptools", "openai", "httpx", "gguf"]  # what the image lacks (KINDS.md)
+# In the GPU image already, built for it: never shadow these with this machine's versions.
+IMAGE_HAS = {canonicalize_name(n) for n in (
+    "torch transformers tokenizers safetensors huggingface-hub numpy pyyaml tqdm requests regex "
+    "filelock fsspec packaging jinja2 markupsafe sympy networkx uvloop accelerate").split()}
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux_2_5_x86_64", "manylinux1_x86_64"]
+
+
+CALL_LIMIT = 64 * 2**20  # what one call to the GPU machine carries: the checkout and the carried folders
+MARGIN = 2 * 2**20  # room for the result files a session commits between its calls
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def checkout_bytes() -> int:
+    """What travels with every call: tracked files and untracked ones git does not ignore."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
+
+
+def closure(roots: list[str]) -> dict[str, str]:
+    """{name: version} of `roots` and everything they require here, minus IMAGE_HAS."""
+    found: dict[str, str] = {}
+    stack = list(roots)
+    while stack:
+        name = canonicalize_name(stack.pop())
+        if name in found or name in IMAGE_HAS:
+            continue
+        dist = md.distribution(name)
+        found[name] = dist.version
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": "", "python_version": "3.12"}):
+                stack.append(req.name)
+    return found
+
+
+def download(pins: dict[str, str], dest: Path) -> None:
+    platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "--platform", "any",
+                    "-d", str(dest), *(f"{n}=={v}" for n, v in sorted(pins.items()))], check=True)
+
+
+def split(src: Path, parts: int, out: Path) -> list[Path]:
+    """`src` in `parts` pieces: out/gguf-1/<name>.part1, ... and a manifest line per piece."""
+    data = src.read_bytes()
+    size = -(-len(data) // parts)
+    pieces = []
+    for i in range(parts):
+        folder = out / f"gguf-{i + 1}"
+        folder.mkdir(parents=True)
+        piece = folder / f"{src.name}.part{i + 1}"
+        piece.write_bytes(data[i * size:(i + 1) * size])
+        pieces.append(piece)
+    (out / "base" / "gguf.sha256").write_text(
+        f"{hashlib.sha256(data).hexdigest()}  {src.name}\n" + "".join(f"{p.name}\n" for p in pieces))
+    return pieces
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(REPO / ".device"))
+    p.add_argument("--gguf-parts", type=int, default=0, help="pieces of the 98 MB GGUF, one per call (0: as few as fit)")
+    a = p.parse_args()
+    from common.gguf_convert import convert_smollm2, find_smollm2_gguf
+    from common.loader import cache_root
+
+    out = Path(a.out)
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "base" / "whl").mkdir(parents=True)
+    pins = closure(ROOTS)
+    download(pins, out / "base" / "whl")
+    tokenizer = convert_smollm2(cache_root() / "smollm2-135m-tokenizer", tokenizer_only=True)
+    shutil.copytree(tokenizer, out / "base" / "smollm2-135m-tokenizer")
+    gguf = find_smollm2_gguf()
+    parts = a.gguf_parts or -(-gguf.stat().st_size // (CALL_LIMIT - checkout_bytes() - tree_bytes(out / "base") - MARGIN))
+    pieces = split(gguf, parts, out)
+    exclude = REPO / ".git" / "info" / "exclude"
+    entry = f"/{out.relative_to(REPO)}/" if out.is_relative_to(REPO) else None
+    if entry and entry not in exclude.read_text().split():
+        with exclude.open("a") as f:
+            f.write(entry + "\n")
+
+    print(f"checkout: {checkout_bytes() / 2**20:.1f} MiB; {out}/base: {len(pins)} wheels and the tokenizer, "
+          f"{tree_bytes(out / 'base') / 2**20:.1f} MiB")
+    for piece in pieces:
+        print(f"{piece.parent}: {piece.stat().st_size / 2**20:.1f} MiB")
+    rel = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    print("\nEach call carries base and at most one GGUF piece (64 MiB a call, the checkout included):")
+    for i in range(len(pieces)):
+        print(f'  call {i + 1}: carry ["{rel}/base", "{rel}/gguf-{i + 1}"]')
+    print("and its command starts with:  source scripts/gpu_env.sh &&")
+
+
+if __name__ == "__main__":
+    main()
