@@ -44,6 +44,15 @@ def streaming_packages() -> list[str]:
     return [p for p in registry.STAGES.values() if hasattr(registry.load_stage(p), "SchedulerManager")]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny batches on a shared 2-core box: torch's intra-op threads would only fight over the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from common.loader import load_model

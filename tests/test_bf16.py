@@ -22,6 +22,7 @@ import torch
 from common.requests import Request, SamplingParams
 from conftest import STAGE_DIRS, run_hf_greedy, stage_module, streaming_packages
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # batches of four tiny rows
 MAX_NEW = 16
 MIN_AGREEMENT = 0.9  # share of tokens before each row's first difference; measured 0.94-1.0 (torch 2.13, 3 seeds)
 
@@ -42,15 +43,6 @@ def prompts_and_reference(tiny_bf16):
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 90))] for _ in range(12)]
     return prompts, [run_hf_greedy(hf, p, MAX_NEW, tiny_bf16.config.eos_token_ids) for p in prompts]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Batches of four tiny rows: torch's intra-op threads would only fight over a 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
