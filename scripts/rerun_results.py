@@ -5,6 +5,7 @@
     python scripts/rerun_results.py --only ladder       # those whose file name contains 'ladder'
     python scripts/rerun_results.py --check             # which commit each result is from
     python scripts/rerun_results.py --resume            # only those not yet from this commit
+    python scripts/rerun_results.py --like cpu --device cuda   # on a GPU: the CPU set's commands, *.cuda.json
 
 Why: a page's figures should come from one version of the code, or a reader cannot tell what a
 change did from what happened between two commits. Every file under `docs/results/` says how it
@@ -44,8 +45,8 @@ def result_files(device: str) -> list[Path]:
     return sorted(p for p in RESULTS.glob("*.json") if f".{device}." in p.name)
 
 
-def argv_for(path: Path) -> list[str]:
-    """The command that wrote `path`, as argv for this interpreter, writing `path` again."""
+def argv_for(path: Path, target: Path | None = None) -> list[str]:
+    """The command that wrote `path`, as argv for this interpreter, writing `target` (default: `path` again)."""
     words = shlex.split(command_from(json.loads(path.read_text())))
     if words[0] == "stagewise":
         words = ["-m", "common.cli", *words[1:]]
@@ -53,7 +54,7 @@ def argv_for(path: Path) -> list[str]:
         words = words[1:]
     else:
         raise SystemExit(f"{path.name}: cannot rerun {shlex.join(words)!r}")
-    out = path.relative_to(ROOT).as_posix()
+    out = (target or path).relative_to(ROOT).as_posix()
     if "--json" in words:  # where it wrote may have been a scratch file; it goes to its place now
         words[words.index("--json") + 1] = out
     elif "--out" in words:
@@ -95,21 +96,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="skip results already from this commit, clean (a set split over several sittings)")
     p.add_argument("--allow-dirty", action="store_true", help="run in a checkout with uncommitted changes")
+    p.add_argument("--like", default=None, metavar="DEVICE",
+                   help="run the commands of DEVICE's results (e.g. cpu) to write --device's files: a first "
+                        "CUDA set is `--like cpu --device cuda` on a GPU machine (the commands say --device auto)")
     args = p.parse_args(argv)
 
-    paths = [f for f in result_files(args.device)
+    source = args.like or args.device
+    paths = [f for f in result_files(source)
              if (not args.only or any(s in f.name for s in args.only)) and not any(s in f.name for s in args.skip)]
     if args.check:
         return check(paths, None)
     head = git("rev-parse", "HEAD")
+    targets = {f: f.with_name(f.name.replace(f".{source}.", f".{args.device}.", 1)) for f in paths}
     if args.resume:
-        paths = [f for f in paths if provenance(f) != (head, False, False)]
-    plan = [(f, argv_for(f)) for f in paths]
+        paths = [f for f in paths if not (targets[f].exists() and provenance(targets[f]) == (head, False, False))]
+    plan = [(targets[f], argv_for(f, targets[f])) for f in paths]
     if args.list:
         for f, cmd in plan:
             print(shlex.join(["python", *cmd[1:]]))
         return 0
     # As in common/envinfo.py: the results themselves (rewritten as the set goes) do not count.
+    if args.like and args.device != args.like:
+        import torch  # the commands pick their device with --device auto: it must be the one the names say
+
+        found = "cuda" if torch.cuda.is_available() else "cpu"
+        if found != args.device:
+            raise SystemExit(f"rerun_results: --device {args.device}, but this machine runs on {found}")
     if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results") and not args.allow_dirty:
         raise SystemExit("rerun_results: the checkout has uncommitted changes; commit them first, so the "
                          "results name the code they measured (or --allow-dirty)")
@@ -124,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n##### done in {(time.perf_counter() - t_all) / 60:.1f} min")
     for name, secs, rc in times:
         print(f"{secs / 60:7.1f} min  {'ok ' if rc == 0 else f'rc={rc}'}  {name}")
-    return check(paths, head) or max((rc for _, _, rc in times), default=0)
+    return check([target for target, _ in plan], head) or max((rc for _, _, rc in times), default=0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("rerun_results", ROOT / "scripts" / "rerun_results.py")
 rerun = importlib.util.module_from_spec(spec)
@@ -65,6 +67,29 @@ def test_resume_runs_only_what_is_not_from_this_commit(tmp_path, monkeypatch, ca
     assert rerun.main(["--resume", "--list"]) == 0
     out = capsys.readouterr().out
     assert "docs/results/s02_x.cpu.json" in out and "s01_x" not in out
+
+
+def test_like_runs_one_devices_commands_into_anothers_files(tmp_path, monkeypatch, capsys) -> None:
+    """A first CUDA set: the CPU results' commands, each writing its `.cuda.` twin (resumable)."""
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    for name in ("s01_x.cpu.json", "s02_x.cpu.json"):
+        (results / name).write_text(json.dumps({"env": {"git_commit": "old", "git_dirty": False},
+                                                "command": f"stagewise profile-decode --json /tmp/{name}"}))
+    (results / "ladder.cpu.json").write_text(json.dumps({"command": "stagewise ladder --out docs/results"}))
+    (results / "s01_x.cuda.json").write_text(json.dumps({"env": {"git_commit": "head", "git_dirty": False}}))
+    monkeypatch.setattr(rerun, "ROOT", tmp_path)
+    monkeypatch.setattr(rerun, "RESULTS", results)
+    monkeypatch.setattr(rerun, "git", lambda *args: "head")
+    assert rerun.main(["--like", "cpu", "--device", "cuda", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in lines] == ["docs/results", "docs/results/s01_x.cuda.json",
+                                                    "docs/results/s02_x.cuda.json"]
+    assert rerun.main(["--like", "cpu", "--device", "cuda", "--list", "--resume"]) == 0
+    assert "s01_x" not in capsys.readouterr().out  # its CUDA file is from this commit already
+    if not __import__("torch").cuda.is_available():  # names that say cuda are never written from a CPU
+        with pytest.raises(SystemExit, match="runs on cpu"):
+            rerun.main(["--like", "cpu", "--device", "cuda"])
 
 
 def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
