@@ -7,6 +7,7 @@
     stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
     stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py, serve_cli.py)
     stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/bench_serve.py)
+    stagewise parity --model NAME --dtype bfloat16        (every stage's tokens against transformers'; common/parity.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
 handed over untouched, so the two spellings can never drift apart.
@@ -63,7 +64,7 @@ def cmd_ladder(argv: list[str]) -> int:
 
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
 SUBPROGRAMS = {"serve": "common.serve_cli", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
-               "stability": "common.stability", "profile-decode": "common.profile_decode"}
+               "stability": "common.stability", "profile-decode": "common.profile_decode", "parity": "common.parity"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
