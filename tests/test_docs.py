@@ -208,6 +208,25 @@ def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
         hook.render_ladder_table(tmp_path, "", "ladder.md")
 
 
+def test_parity_table_missing_then_present(tmp_path: Path) -> None:
+    path = "docs/results/parity.bf16.cpu.json"
+    missing = hook.render_parity_table(tmp_path, path, "reproducing.md")
+    assert "No committed result yet" in missing
+    assert "stagewise parity --model smollm2-135m --dtype bfloat16 --device cpu --json " + path in missing
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    same = {"requests": 4, "identical": 4, "first_tokens_equal": 4, "agreement": 1.0, "differences": []}
+    differs = {"requests": 4, "identical": 3, "first_tokens_equal": 4, "agreement": 0.875,
+               "differences": [{"request": 2, "first_difference": 5, "reference_margin": 0.0625}]}
+    data = {"kind": "parity", "prompt_lengths": [3, 40], "entries": {"s02_kv_cache": same, "s03_paged_attention": differs}}
+    (tmp_path / path).write_text(json.dumps(data))
+    table = hook.render_parity_table(tmp_path, path, "reproducing.md")
+    assert "| `s02_kv_cache` | 4/4 | 4/4 | 100.0 % | — |" in table
+    assert "| `s03_paged_attention` | 3/4 | 4/4 | 87.5 % | #2 @ 5 (0.062) |" in table
+    (tmp_path / path).write_text(json.dumps({**data, "kind": "bench"}))
+    with pytest.raises(results.DocsError, match="parity"):
+        hook.render_parity_table(tmp_path, path, "reproducing.md")
+
+
 # ----------------------------------------------------------------------------- expansion
 def test_expand_keeps_indentation_skips_fences_and_rejects_inline_blocks(two_stages: Path) -> None:
     md = (

@@ -16,6 +16,7 @@ admonitions and content tabs):
     <!-- bench-results: docs/results/X.json [| command] -->   tables from a bench JSON, or a note
     <!-- ladder-chart[: docs/results/ladder.cpu.png] -->     the ladder image, or a note
     <!-- ladder-table[: docs/results/ladder.cpu.json] -->    the ladder table, or a note
+    <!-- parity-table: docs/results/parity.X.json -->        `stagewise parity`'s table, or a note
 
 Inline directives (anywhere in a line, e.g. a table cell):
 
@@ -42,7 +43,7 @@ from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _na
                                render_bench_results, render_bench_value)
 
 BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results",
-         "ladder-chart", "ladder-table")
+         "ladder-chart", "ladder-table", "parity-table")
 INLINE = ("bench-value", "bench-ratio")
 _NAMES = "|".join(sorted(BLOCK + INLINE, key=len, reverse=True))
 DIRECTIVE_RE = re.compile(r"<!--\s*(" + _NAMES + r")\b\s*:?\s*(.*?)\s*-->")
@@ -206,6 +207,33 @@ def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> s
     return "\n".join(out)
 
 
+def render_parity_table(root: Path, args: str, page_src: str | None = None) -> str:
+    """`stagewise parity`'s result: per stage, how many rows equal transformers', and where not."""
+    path = args.strip()
+    data = load_result(root, path)
+    if data is None:
+        return _admonition("warning", "No committed result yet",
+                           f"`{path}` is not committed yet. Produce it with:\n\n" + _fence(default_command(path), "bash"))
+    entries = data.get("entries")
+    if data.get("kind") != "parity" or not isinstance(entries, dict) or not entries:
+        raise DocsError(f"{path}: expected a `stagewise parity` result with a non-empty 'entries' object")
+    lengths = data.get("prompt_lengths") or [0]
+    out = [f"**Command:** `{data.get('command') or default_command(path)}`", "",
+           f"**Environment:** {env_line(data)}. {len(lengths)} prompts of {min(lengths)}–{max(lengths)} "
+           f"tokens. Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
+           "| stage | rows equal | first tokens equal | tokens agreeing | where a row first differs: "
+           "request @ token (transformers' margin there) |", "|---|--:|--:|--:|---|"]
+    for name, e in entries.items():
+        n = int(_number(e, "requests", path))
+        diffs = ", ".join(f"#{d['request']} @ {d['first_difference']}"
+                          + (f" ({d['reference_margin']:.3f})" if d.get("reference_margin") is not None else "")
+                          for d in e.get("differences") or [])
+        out.append(f"| `{name}` | {int(_number(e, 'identical', path))}/{n} | "
+                   f"{int(_number(e, 'first_tokens_equal', path))}/{n} | {100 * _number(e, 'agreement', path):.1f} % "
+                   f"| {diffs or '—'} |")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------- the hook
 def _render_block(root: Path, name: str, args: str, page_src: str | None) -> str:
     if name in ("stage-diff", "stage-diff-if-present"):
@@ -220,6 +248,8 @@ def _render_block(root: Path, name: str, args: str, page_src: str | None) -> str
         return render_bench_results(root, path, page_src, cmd.strip() or None)
     if name == "ladder-chart":
         return render_ladder_chart(root, args, page_src)
+    if name == "parity-table":
+        return render_parity_table(root, args, page_src)
     return render_ladder_table(root, args, page_src)
 
 

@@ -139,6 +139,11 @@ def default_command(path: str) -> str:
         workload = f" --workload {tag} --tag" if tag else ""
         mode = " --mode streaming" if tag == "burst" else ""
         return f"stagewise ladder --device {device}{workload}{mode} --out {Path(path).parent.as_posix()}"
+    if stem == "parity":  # parity.<dtype>.<device>.json
+        dtype, _, device = rest.partition(".")
+        device = device.split(".")[0]
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        return f"stagewise parity --model smollm2-135m --dtype {dtype} --device {device} --json {path}"
     dev = " --device cuda" if device == "cuda" else ""
     return f"python -m stages.{stem}.bench --compare{dev} --json {path}"
 
