@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.device import to_device
 from common.loader import LoadedModel
 from common.requests import Completion, Request, SamplingParams, finish_reason_for, prepare_prompt
 from common.sampling import make_generator, sample_tokens
@@ -101,7 +102,7 @@ class InferenceEngine:
             attention = DenseAttention(causal_padding_mask(valid))
             logits = self.model(ids, positions, attention, logits_indices=last)  # [B, V]
             next_ids, alive = self._sample_and_record(rows, logits)  # [B], [B]
-            if not alive.any():
+            if all(r.finished for r in rows):  # from the host: alive.any() would wait for the device
                 return
             # Finished rows still take a (masked) column: in a static batch they wait for the rest.
             ids = torch.cat([ids, next_ids[:, None]], dim=1)
@@ -128,8 +129,8 @@ class InferenceEngine:
                 row.params, self.eos_token_ids, self.max_model_len,
             )
             next_ids[b] = tok
-        alive = torch.tensor([not r.finished for r in rows], dtype=torch.bool, device=self.device)
-        return torch.tensor(next_ids, dtype=torch.long, device=self.device), alive
+        alive = to_device([not r.finished for r in rows], torch.bool, self.device)
+        return to_device(next_ids, torch.long, self.device), alive
 
     def _completion(self, row: _Row, submitted: float, scheduled: float) -> Completion:
         ts = row.timestamps

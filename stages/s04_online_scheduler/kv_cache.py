@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from common.config import ModelConfig
+from common.device import to_device
 
 
 class OutOfKVBlocks(RuntimeError):
@@ -99,7 +100,7 @@ class BlockTables:
 
     def set(self, row: int, index: int, blocks: list[int]) -> None:
         """Entries [index, index + len(blocks)) of `row` now name these blocks."""
-        self.table[row, index:index + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.table[row, index:index + len(blocks)] = to_device(blocks, torch.long, self.table.device)
 
 
 class KVBlockPool:
@@ -130,7 +131,7 @@ class KVBlockPool:
         patterns, and a masked NaN still poisons `softmax @ V` (0 * NaN = NaN)."""
         fresh = [b for b in blocks if self._fresh[b]]
         if fresh:
-            index = torch.tensor(fresh, device=self.k[0].device)
+            index = to_device(fresh, torch.long, self.k[0].device)
             for t in self.k + self.v:
                 t.index_fill_(1, index, 0.0)
             for b in fresh:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.device import to_device
 from common.loader import LoadedModel
 from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
 from common.sampling import make_generator, sample_tokens
@@ -267,7 +268,7 @@ class InferenceEngine:
         lengths = tables.lengths[rows]  # [B]: this step's token included (writers only)
         nb = -(-max(s.num_cached for s in sessions) // bs)  # blocks of the longest session
         attention = DecodeAttention(self.pool, new_slots, tables.table[rows, :nb], lengths, w)
-        ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        ids = to_device([[s.generated[-1]] for s in sessions], torch.long, self.device)  # [B, 1]
         first = self._index((0,) * len(sessions))
         return self.model(ids, positions[:, None], attention, logits_indices=first)  # [B, V]
 
@@ -276,7 +277,7 @@ class InferenceEngine:
         if values not in self._indices:
             if len(self._indices) > 16:
                 self._indices.clear()
-            self._indices[values] = torch.tensor(values, dtype=torch.long, device=self.device)
+            self._indices[values] = to_device(values, torch.long, self.device)
         return self._indices[values]
 
     def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:

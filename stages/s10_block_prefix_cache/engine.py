@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.device import to_device
 from common.loader import LoadedModel
 from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
 from common.sampling import make_generator, sample_tokens
@@ -272,9 +273,9 @@ class InferenceEngine:
             positions += range(start, start + n)
             ends.append(len(ids) - 1)
         attention = PrefillAttention(self.pool, slots.to(self.device), spans, [s.block_table for s in sessions], self.group)
-        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
-        pos_t = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, S]
-        return self.model(ids_t, pos_t, attention, logits_indices=torch.tensor(ends, dtype=torch.long, device=self.device))  # [N, V]
+        ids_t = to_device([ids], torch.long, self.device)  # [1, S]
+        pos_t = to_device([positions], torch.long, self.device)  # [1, S]
+        return self.model(ids_t, pos_t, attention, logits_indices=to_device(ends, torch.long, self.device))  # [N, V]
 
     def decode_step_sessions(self, sessions: list[InferenceSession]) -> torch.Tensor:
         """One token for each session; returns logits [B, V].
@@ -299,7 +300,7 @@ class InferenceEngine:
         lengths = tables.lengths[rows]  # [B]: this step's token included (writers only)
         nb = -(-max(s.num_cached for s in sessions) // bs)  # blocks of the longest session
         attention = DecodeAttention(self.pool, new_slots, tables.table[rows, :nb], lengths, w)
-        ids = torch.tensor([[s.generated[-1]] for s in sessions], dtype=torch.long, device=self.device)  # [B, 1]
+        ids = to_device([[s.generated[-1]] for s in sessions], torch.long, self.device)  # [B, 1]
         first = self._index((0,) * len(sessions))
         return self.model(ids, positions[:, None], attention, logits_indices=first)  # [B, V]
 
@@ -308,7 +309,7 @@ class InferenceEngine:
         if values not in self._indices:
             if len(self._indices) > 16:
                 self._indices.clear()
-            self._indices[values] = torch.tensor(values, dtype=torch.long, device=self.device)
+            self._indices[values] = to_device(values, torch.long, self.device)
         return self._indices[values]
 
     def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:

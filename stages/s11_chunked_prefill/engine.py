@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.device import to_device
 from common.loader import LoadedModel
 from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
 from common.sampling import make_generator, sample_tokens
@@ -305,11 +306,11 @@ class InferenceEngine:
             prefill_attention = PrefillAttention(self.pool, torch.cat(slots).to(self.device), spans,
                                                  [s.block_table for s, _ in chunks], self.group)
         attention = StepAttention(decode_attention, prefill_attention, B)
-        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, B + sum n]
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [sum n]
+        ids_t = to_device([ids], torch.long, self.device)  # [1, B + sum n]
+        pos_t = to_device(positions, torch.long, self.device)  # [sum n]
         if decode_positions is not None:
             pos_t = torch.cat([decode_positions, pos_t])  # [B + sum n]
-        return self.model(ids_t, pos_t[None], attention, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device))  # [B + M, V]
+        return self.model(ids_t, pos_t[None], attention, logits_indices=to_device(rows, torch.long, self.device))  # [B + M, V]
 
     def _decode_attention(self, sessions: list[InferenceSession]) -> tuple[torch.Tensor, DecodeAttention]:
         """Positions [B] and attention for one new token per session. Positions, slots, block
@@ -330,7 +331,7 @@ class InferenceEngine:
         if values not in self._indices:
             if len(self._indices) > 16:
                 self._indices.clear()
-            self._indices[values] = torch.tensor(values, dtype=torch.long, device=self.device)
+            self._indices[values] = to_device(values, torch.long, self.device)
         return self._indices[values]
 
     def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:
