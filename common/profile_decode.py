@@ -21,6 +21,11 @@ The floor's own matmuls are profiled the same way, so `matmul_vs_floor` compares
 under the same profiler: above 1, the model's matmuls run slower inside a step than alone.
 The groups are shares of the profiled step (the profiler adds a few microseconds per op, and
 Python between ops shows in no op); `decode_step_ms` is the unprofiled median.
+
+On CUDA an op's CPU time is what it costs to launch; the GPU's own time is counted per op too
+(`kernel_ms_per_step`, from the kernels each op launched), and `kernel_share_of_step` says how
+much of the unprofiled step the GPU spends computing. The rest, kernel launches, Python and the
+host's wait, is what CUDA graphs or fewer kernels per layer would remove.
 """
 from __future__ import annotations
 
@@ -67,10 +72,21 @@ def group_of(op: str) -> str:
     return next((g for g, names in GROUPS.items() if op in names), "other")
 
 
-def op_table(prof: Any, steps: int) -> list[dict]:
-    """Every op's own time per step (ms) and calls per step, largest first."""
-    rows = [{"op": e.key, "group": group_of(e.key), "ms_per_step": e.self_cpu_time_total / 1000.0 / steps,
-             "calls_per_step": e.count / steps} for e in prof.key_averages() if e.self_cpu_time_total > 0]
+def op_table(prof: Any, steps: int, kernels: bool = False) -> list[dict]:
+    """Every op's own time per step (ms) and calls per step, largest first.
+
+    With `kernels` (CUDA), each op also gets the GPU time of the kernels it launched itself
+    (`kernel_ms_per_step`): an op's CPU time is then what it costs to launch, not to compute."""
+    rows = []
+    for e in prof.key_averages():
+        if e.self_cpu_time_total <= 0:  # the kernels' own rows: counted under the op that launched them
+            continue
+        row = {"op": e.key, "group": group_of(e.key), "ms_per_step": e.self_cpu_time_total / 1000.0 / steps,
+               "calls_per_step": e.count / steps}
+        if kernels:
+            device_us = getattr(e, "self_device_time_total", None)
+            row["kernel_ms_per_step"] = (device_us if device_us is not None else e.self_cuda_time_total) / 1000.0 / steps
+        rows.append(row)
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
@@ -139,13 +155,20 @@ def measure(a: argparse.Namespace) -> dict:
     times = window.run(engine, requests, profiled=False)
     floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
     window.run(engine, requests, profiled=True)
-    ops = op_table(window.prof, a.steps)
+    cuda = loaded.device.type == "cuda"
+    ops = op_table(window.prof, a.steps, kernels=cuda)
     with profile(activities=[ProfilerActivity.CPU]) as floor_prof:
         matmul_floor_ms(loaded.model, a.batch, warmup=2, repeats=a.steps)
     floor_mm = sum(r["ms_per_step"] for r in op_table(floor_prof, a.steps + 2) if r["group"] == "matmul")  # warm-up + repeats
     profiled_ms = sum(r["ms_per_step"] for r in ops)
     groups = {g: sum(r["ms_per_step"] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
     step_ms, floor_ms = statistics.median(times), statistics.median(floors)
+    kernel = {}
+    if cuda:  # how much of a step the GPU computes; the rest is launching, Python and waiting
+        kernel_ms = sum(r["kernel_ms_per_step"] for r in ops)
+        kernel = {"kernel_ms_per_step": kernel_ms, "kernel_share_of_step": kernel_ms / step_ms if step_ms else None,
+                  "groups_kernel_ms": {g: sum(r["kernel_ms_per_step"] for r in ops if r["group"] == g)
+                                       for g in [*GROUPS, "other"]}}
     return {
         "kind": "profile-decode", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
@@ -159,6 +182,7 @@ def measure(a: argparse.Namespace) -> dict:
         "groups_share": {g: v / profiled_ms if profiled_ms else 0.0 for g, v in groups.items()},
         "floor_matmul_ms_profiled": floor_mm,
         "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm else None,
+        **kernel,
         "ops": ops[:max(a.top, 40)],
     }
 
@@ -174,9 +198,15 @@ def format_profile(r: dict, top: int) -> str:
     lines.append(f"Matmuls in the step vs the same matmuls alone (both profiled): "
                  f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
                  f"= {r['matmul_vs_floor']:.2f}x")
-    lines.append(f"{'op':52s} {'group':10s} {'ms/step':>8s} {'calls/step':>10s}")
+    if "kernel_ms_per_step" in r:
+        lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
+                     f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "
+                     + ", ".join(f"{g} {ms:.2f}" for g, ms in r["groups_kernel_ms"].items()))
+    kernels = "kernel_ms_per_step" in (r["ops"][0] if r["ops"] else {})
+    lines.append(f"{'op':52s} {'group':10s} {'ms/step':>8s} {'calls/step':>10s}" + (f" {'kernel ms':>9s}" if kernels else ""))
     for row in r["ops"][:top]:
-        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:8.2f} {row['calls_per_step']:10.1f}")
+        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:8.2f} {row['calls_per_step']:10.1f}"
+                     + (f" {row['kernel_ms_per_step']:9.2f}" if kernels else ""))
     return "\n".join(lines)
 
 

@@ -46,3 +46,20 @@ def test_groups() -> None:
     assert profile_decode.group_of("aten::index_select") == "kv_cache"
     assert profile_decode.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert profile_decode.group_of("aten::rsqrt") == "other"
+
+
+def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
+    """On CUDA a kernel has its own row (no CPU time) and its time is also its launching op's own
+    device time: the table keeps the ops, each with its launch cost and its kernels' time."""
+    from types import SimpleNamespace as Row
+
+    class Prof:
+        def key_averages(self):
+            return [Row(key="aten::mm", self_cpu_time_total=400.0, self_device_time_total=3000.0, count=8),
+                    Row(key="aten::add", self_cpu_time_total=200.0, self_device_time_total=100.0, count=4),
+                    Row(key="ampere_sgemm_64x64", self_cpu_time_total=0.0, self_device_time_total=3000.0, count=8)]
+
+    rows = profile_decode.op_table(Prof(), steps=2, kernels=True)
+    assert [(r["op"], r["ms_per_step"], r["kernel_ms_per_step"], r["calls_per_step"]) for r in rows] == [
+        ("aten::mm", 0.2, 1.5, 4.0), ("aten::add", 0.1, 0.05, 2.0)]
+    assert all("kernel_ms_per_step" not in r for r in profile_decode.op_table(Prof(), steps=2))
