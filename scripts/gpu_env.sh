@@ -1,5 +1,6 @@
 # Source on a GPU machine without a package index, from the repository root:
 #
+#     export STAGEWISE_GIT_COMMIT=<sha> STAGEWISE_GIT_DIRTY=0   # what was sent: no .git travels
 #     source scripts/gpu_env.sh && STAGEWISE_TEST_DEVICE=cuda python3 -m pytest -q
 #
 # It uses what `scripts/gpu_bundle.py` packed into .device/ here (README, "CUDA"). Each call may
@@ -48,6 +49,9 @@ if [ -f "$STASH/gguf.sha256" ]; then
         gguf_state="$have of $want pieces"
     fi
 fi
-echo "gpu_env: wheels $([ -e "$SITE/.installed" ] && echo installed || echo MISSING)," \
+if [ ! -d .git ] && [ -z "${STAGEWISE_GIT_COMMIT:-}" ]; then
+    echo "gpu_env: no .git here and no STAGEWISE_GIT_COMMIT: result files will name no commit" >&2
+fi
+echo "gpu_env: commit ${STAGEWISE_GIT_COMMIT:-from .git} (dirty=${STAGEWISE_GIT_DIRTY:-1}), wheels $([ -e "$SITE/.installed" ] && echo installed || echo MISSING)," \
      "tokenizer $([ -d "$STASH/cache/smollm2-135m-tokenizer" ] && echo ready || echo MISSING)," \
      "smollm2 gguf: $gguf_state; python $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1)"

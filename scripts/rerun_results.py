@@ -62,10 +62,6 @@ def argv_for(path: Path, target: Path | None = None) -> list[str]:
     return [sys.executable, *words]
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def provenance(path: Path) -> tuple[str, bool, bool]:
     """(commit, dirty, code changed during the run) as the result recorded them."""
     env = json.loads(path.read_text()).get("env") or {}
@@ -106,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
              if (not args.only or any(s in f.name for s in args.only)) and not any(s in f.name for s in args.skip)]
     if args.check:
         return check(paths, None)
-    head = git("rev-parse", "HEAD")
+    sys.path.insert(0, str(ROOT))
+    from common.envinfo import git_info  # also where the checkout is a copy without .git (README, "CUDA")
+
+    here = git_info()
+    head = here["git_commit"]
     targets = {f: f.with_name(f.name.replace(f".{source}.", f".{args.device}.", 1)) for f in paths}
     if args.resume:
         paths = [f for f in paths if not (targets[f].exists() and provenance(targets[f]) == (head, False, False))]
@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         found = "cuda" if torch.cuda.is_available() else "cpu"
         if found != args.device:
             raise SystemExit(f"rerun_results: --device {args.device}, but this machine runs on {found}")
-    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results") and not args.allow_dirty:
+    if here["git_dirty"] is None and not args.allow_dirty:
+        raise SystemExit("rerun_results: no .git here to say which commit this is; a copy of a clean "
+                         "checkout says it with STAGEWISE_GIT_COMMIT=<sha> STAGEWISE_GIT_DIRTY=0 (README, CUDA)")
+    if here["git_dirty"] and not args.allow_dirty:
         raise SystemExit("rerun_results: the checkout has uncommitted changes; commit them first, so the "
                          "results name the code they measured (or --allow-dirty)")
     t_all, times = time.perf_counter(), []

@@ -60,3 +60,20 @@ def test_a_commit_during_the_run_is_reported(repo, monkeypatch) -> None:
     env = envinfo.collect_env("cpu")
     assert env["git_commit"] == start and env["code_changed_during_run"] is True
     assert env["git_now"]["git_commit"] != start and env["git_now"]["git_dirty"] is False
+
+
+def test_a_copy_without_git_takes_its_commit_from_the_command(tmp_path, monkeypatch) -> None:
+    """A GPU machine is sent the working tree, not .git: the sender names the commit."""
+    monkeypatch.setattr(envinfo, "REPO_ROOT", tmp_path)  # no repository here
+    monkeypatch.delenv("STAGEWISE_GIT_COMMIT", raising=False)
+    assert envinfo.git_info() == {"git_commit": None, "git_dirty": None}
+    monkeypatch.setenv("STAGEWISE_GIT_COMMIT", "a" * 40)
+    assert envinfo.git_info() == {"git_commit": "a" * 40, "git_dirty": True}  # clean only when said so
+    monkeypatch.setenv("STAGEWISE_GIT_DIRTY", "0")
+    assert envinfo.git_info() == {"git_commit": "a" * 40, "git_dirty": False}
+
+
+def test_the_repository_wins_over_the_variable(repo, monkeypatch) -> None:
+    monkeypatch.setenv("STAGEWISE_GIT_COMMIT", "b" * 40)
+    monkeypatch.setenv("STAGEWISE_GIT_DIRTY", "0")
+    assert envinfo.git_info()["git_commit"] != "b" * 40

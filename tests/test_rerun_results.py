@@ -63,7 +63,7 @@ def test_resume_runs_only_what_is_not_from_this_commit(tmp_path, monkeypatch, ca
                                                 "command": f"stagewise profile-decode --json /tmp/{name}"}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
-    monkeypatch.setattr(rerun, "git", lambda *args: "head")
+    monkeypatch.setattr("common.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
     assert rerun.main(["--resume", "--list"]) == 0
     out = capsys.readouterr().out
     assert "docs/results/s02_x.cpu.json" in out and "s01_x" not in out
@@ -80,7 +80,7 @@ def test_like_runs_one_devices_commands_into_anothers_files(tmp_path, monkeypatc
     (results / "s01_x.cuda.json").write_text(json.dumps({"env": {"git_commit": "head", "git_dirty": False}}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
-    monkeypatch.setattr(rerun, "git", lambda *args: "head")
+    monkeypatch.setattr("common.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
     assert rerun.main(["--like", "cpu", "--device", "cuda", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[-1] for line in lines] == ["docs/results", "docs/results/s01_x.cuda.json",
