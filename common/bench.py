@@ -193,6 +193,12 @@ def write_json(path: str | Path, data: dict) -> None:
     print(f"wrote {path}", flush=True)
 
 
+def write_result(path: str | Path, result: dict, program: str, argv: list[str] | None) -> None:
+    """A `stagewise <program>` result with the command that made it and where it ran (`result["device"]`)."""
+    words = sys.argv[1:] if argv is None else argv
+    write_json(path, {**result, "command": f"stagewise {program} " + " ".join(words), "env": collect_env(result["device"])})
+
+
 KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache max concurrency",
                "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size",
                "max_num_batched_tokens": "Max num batched tokens"}

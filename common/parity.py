@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from common.envinfo import collect_env  # at start: its GIT_AT_START is the code this run measures
+import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
 PROMPTS = [
     "Hello",
@@ -153,9 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(a)
     print(format_parity(result), flush=True)
     if a.json:
-        from common.bench import write_json
-        write_json(a.json, {**result, "command": "stagewise parity " + " ".join(sys.argv[1:] if argv is None else argv),
-                            "env": collect_env(result["device"])})
+        from common.bench import write_result
+        write_result(a.json, result, "parity", argv)
     return 0
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.envinfo import collect_env  # at start: its GIT_AT_START is the code this run measures
+import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
@@ -218,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(a)
     print(format_profile(result, a.top), flush=True)
     if a.json:
-        from common.bench import write_json
-        write_json(a.json, {**result, "command": "stagewise profile-decode " + " ".join(sys.argv[1:] if argv is None else argv),
-                            "env": collect_env(result["device"])})
+        from common.bench import write_result
+        write_result(a.json, result, "profile-decode", argv)
     return 0
 
 
