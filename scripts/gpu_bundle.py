@@ -116,11 +116,10 @@ def main() -> None:
     gguf = find_smollm2_gguf()
     parts = a.gguf_parts or -(-gguf.stat().st_size // (CALL_LIMIT - checkout_bytes() - tree_bytes(out / "base") - MARGIN))
     pieces = split(gguf, parts, out)
-    exclude = REPO / ".git" / "info" / "exclude"
-    entry = f"/{out.relative_to(REPO)}/" if out.is_relative_to(REPO) else None
-    if entry and entry not in exclude.read_text().split():
-        with exclude.open("a") as f:
-            f.write(entry + "\n")
+    if out.is_relative_to(REPO) and not subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=REPO).returncode == 0:
+        # Ignored, or every call would carry all of it in the working tree (over its 64 MiB).
+        with (REPO / ".git" / "info" / "exclude").open("a") as f:
+            f.write(f"/{out.relative_to(REPO)}/\n")
 
     print(f"checkout: {checkout_bytes() / 2**20:.1f} MiB; {out}/base: {len(pins)} wheels and the tokenizer, "
           f"{tree_bytes(out / 'base') / 2**20:.1f} MiB")
