@@ -1,9 +1,10 @@
-"""What only a GPU can show: host-device syncs inside a decode step, and memory given back.
+"""What only a GPU can show: syncs inside a decode step, a tensor left on the CPU, memory given back.
 
 Skipped where there is no CUDA device (CI). Run them on a GPU with the rest of the suite:
-`STAGEWISE_TEST_DEVICE=cuda python -m pytest -q` (the README's CUDA section). A tensor left on
-the wrong device needs no test of its own: the first op that mixes it with a GPU tensor raises,
-and every stage's tests run on the GPU under that switch.
+`STAGEWISE_TEST_DEVICE=cuda python -m pytest -q` (the README's CUDA section). Most tensors left
+on the wrong device make the first op that mixes them with a GPU tensor raise, and every stage's
+tests run on the GPU under that switch; an index tensor does not (PyTorch copies it over at every
+use), so every tensor an engine keeps is checked for its device too.
 
 Syncs: CUDA runs kernels asynchronously, so a step is fast when the host only queues work and
 waits once, to read the sampled tokens it must decide with (finish, stream, next input). Any other
@@ -69,6 +70,37 @@ def test_a_decode_step_syncs_only_to_read_the_sampled_tokens(stage, tiny_cuda):
     short, long = _syncs(run(SHORT)), _syncs(run(LONG))
     per_step = (long - short) / (LONG - SHORT)
     assert per_step <= 1.0, f"{stage}: {per_step:.2f} syncs per decode step ({short} for {SHORT} tokens, {long} for {LONG})"
+
+
+def _tensors(obj, path: str, seen: set[int], depth: int = 4):
+    """(path, tensor) for every tensor reachable from `obj` through attributes, lists and dicts."""
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, torch.nn.Module):
+        return  # the model: placed by load_model, checked by every parity test on the GPU
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{path}[{key!r}]", seen, depth - 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{path}[{i}]", seen, depth - 1)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("stages.", "common.")):
+        for key, value in vars(obj).items():
+            yield from _tensors(value, f"{path}.{key}", seen, depth - 1)
+
+
+@pytest.mark.parametrize("stage", DECODE_STAGES)
+def test_every_tensor_an_engine_keeps_is_on_the_gpu(stage, tiny_cuda):
+    """A CPU tensor indexing a GPU one does not fail: it is copied over at every use, silently."""
+    engine = stage_module(stage).InferenceEngine(tiny_cuda, max_batch_size=4)
+    params = SamplingParams(max_new_tokens=20, stop_on_eos=False)
+    engine.generate([Request(prompt_token_ids=p, params=params) for p in _prompts()])
+    found = list(_tensors(engine, "engine", set()))
+    on_cpu = [f"{path} {tuple(t.shape)}" for path, t in found if t.device.type != "cuda"]
+    assert not on_cpu, f"{stage}: {on_cpu}"
 
 
 @pytest.mark.parametrize("package", streaming_packages())
