@@ -198,11 +198,11 @@ def format_profile(r: dict, top: int) -> str:
     lines.append(f"Matmuls in the step vs the same matmuls alone (both profiled): "
                  f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
                  f"= {r['matmul_vs_floor']:.2f}x")
-    if "kernel_ms_per_step" in r:
+    kernels = "kernel_ms_per_step" in r  # a CUDA profile: every op row has its kernels' time too
+    if kernels:
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "
                      + ", ".join(f"{g} {ms:.2f}" for g, ms in r["groups_kernel_ms"].items()))
-    kernels = "kernel_ms_per_step" in (r["ops"][0] if r["ops"] else {})
     lines.append(f"{'op':52s} {'group':10s} {'ms/step':>8s} {'calls/step':>10s}" + (f" {'kernel ms':>9s}" if kernels else ""))
     for row in r["ops"][:top]:
         lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:8.2f} {row['calls_per_step']:10.1f}"

@@ -15,8 +15,9 @@ bundle holds only what their image lacks, in the exact versions `make venv` inst
   image brings in its own build (torch, transformers, numpy, ...).
 - `.device/base/smollm2-135m-tokenizer/`: the converted tokenizer (3 MB). `tiny` and
   `gpt2-random` are built there from it, so no model travels for the tests or for timing.
-- `.device/gguf-1/`, `.device/gguf-2/`: SmolLM2's GGUF (98 MB) in halves, one per call;
-  `gpu_env.sh` keeps each half on the machine (while it stays warm) and joins them once both came.
+- `.device/gguf-1/`, `.device/gguf-2/`, ...: SmolLM2's GGUF (98 MB) in as few pieces as fit a call
+  beside the checkout and base, one per call; `gpu_env.sh` keeps each piece on the machine (while
+  it stays warm) and joins them once all have come.
 """
 from __future__ import annotations
 
@@ -113,16 +114,15 @@ def main() -> None:
     download(pins, out / "base" / "whl")
     tokenizer = convert_smollm2(cache_root() / "smollm2-135m-tokenizer", tokenizer_only=True)
     shutil.copytree(tokenizer, out / "base" / "smollm2-135m-tokenizer")
-    gguf = find_smollm2_gguf()
-    parts = a.gguf_parts or -(-gguf.stat().st_size // (CALL_LIMIT - checkout_bytes() - tree_bytes(out / "base") - MARGIN))
+    gguf, checkout, base = find_smollm2_gguf(), checkout_bytes(), tree_bytes(out / "base")
+    parts = a.gguf_parts or -(-gguf.stat().st_size // (CALL_LIMIT - checkout - base - MARGIN))
     pieces = split(gguf, parts, out)
-    if out.is_relative_to(REPO) and not subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=REPO).returncode == 0:
+    if out.is_relative_to(REPO) and subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=REPO).returncode != 0:
         # Ignored, or every call would carry all of it in the working tree (over its 64 MiB).
         with (REPO / ".git" / "info" / "exclude").open("a") as f:
             f.write(f"/{out.relative_to(REPO)}/\n")
 
-    print(f"checkout: {checkout_bytes() / 2**20:.1f} MiB; {out}/base: {len(pins)} wheels and the tokenizer, "
-          f"{tree_bytes(out / 'base') / 2**20:.1f} MiB")
+    print(f"checkout: {checkout / 2**20:.1f} MiB; {out}/base: {len(pins)} wheels and the tokenizer, {base / 2**20:.1f} MiB")
     for piece in pieces:
         print(f"{piece.parent}: {piece.stat().st_size / 2**20:.1f} MiB")
     rel = out.relative_to(REPO) if out.is_relative_to(REPO) else out
