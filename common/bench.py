@@ -100,7 +100,7 @@ def build_specs(stage_package: str, args: argparse.Namespace, loaded, notes: lis
 # ----------------------------------------------------------------------------- running
 
 def wall_seconds(completions: list, t_start: float, t_end: float) -> float:
-    """First submission -> last token (post 000's definition), from the engines' own stamps."""
+    """First submission -> last token (post 030's definition), from the engines' own stamps."""
     starts = [c.timings["submitted"] for c in completions if "submitted" in (c.timings or {})]
     ends = [c.token_timestamps[-1] for c in completions if c.token_timestamps]
     return max(1e-9, (max(ends) if ends else t_end) - (min(starts) if starts else t_start))

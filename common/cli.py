@@ -105,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stagewise", description="A pure-PyTorch LLM inference engine in 9 stages.")
+    parser = argparse.ArgumentParser(prog="stagewise", description="A pure-PyTorch LLM inference engine, built in stages.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text with one stage's engine")
     gen.add_argument("prompt")
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one stage's decode step op by op, against the matmul floor (common/profile_decode.py)")
     sub.add_parser("serve-overhead", add_help=False,
                    help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
+    sub.add_parser("parity", add_help=False,
+                   help="every stage's greedy tokens against transformers' generate (common/parity.py)")
     return parser
 
 

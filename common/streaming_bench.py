@@ -37,7 +37,7 @@ def add_streaming_args(p: argparse.ArgumentParser) -> None:
 
 def add_manager_args(g: argparse._ArgumentGroup) -> None:
     """The SchedulerManager's own knobs as flags (the benches and `stagewise serve`); see `manager_knobs`."""
-    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = worker tokenizes)")
+    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = add_request's caller tokenizes)")
     g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
     g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
                    help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")

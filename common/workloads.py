@@ -1,7 +1,7 @@
 """Benchmark workloads: the same list of requests for every engine in a comparison.
 
 Each workload isolates one effect from the posts:
-- fixed prompt ("Hello", post 000): every request is the same, so batching is all that matters;
+- fixed prompt ("Hello", post 030): every request is the same, so batching is all that matters;
 - `unique_prompts`: a per-request suffix makes every prompt *text* different (defeats a
   string-keyed prefix cache);
 - `pretok_base_token_ids` (post 004): texts differ but token ids are equal (a token-id-keyed

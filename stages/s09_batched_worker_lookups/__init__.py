@@ -1,10 +1,10 @@
 """Stage 09 — batched worker lookups: the worker takes its lock once per decode step instead of once per token.
 
-Up to stage 08, `run_decode_once` pushed each of a step's tokens to its request with its own
-`with self._lock:` — batch-size lock acquisitions per step, each one a chance to collide
-with `add_request` callers. Now one acquisition collects every request's queue, detokenizer
-and stream state; detokenizing, flushing and `put` happen outside the lock (post 052).
-Touches server.py.
+Up to stage 08, `_run_decode_once` (the post's `run_decode_once`) pushed each of a step's
+tokens to its request with its own `with self._lock:` — batch-size lock acquisitions per step,
+each one a chance to collide with `add_request` callers. Now one acquisition collects every
+request's queue, detokenizer and stream state; detokenizing, flushing and `put` happen outside
+the lock (post 052). Touches server.py.
 """
 
 from .engine import InferenceEngine, InferenceSession
