@@ -227,6 +227,27 @@ def test_parity_table_missing_then_present(tmp_path: Path) -> None:
         hook.render_parity_table(tmp_path, path, "reproducing.md")
 
 
+def test_serve_pairs_one_row_per_pair_missing_then_present(tmp_path: Path) -> None:
+    path = "docs/results/serve.cpu.json"
+    assert "stagewise serve-overhead" in hook.render_serve_pairs(tmp_path, path, "serving.md")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    pair = {"first": "http", "prefill_p50_ms": {"http": 500.0, "in_process": 510.0},
+            "ttft_p50_outside_prefill_ms": {"http": 15.0, "in_process": 9.5}, "ttft_p50_added_ms": 5.5,
+            "ttft_p50_added_raw_ms": -4.5, "throughput_loss_pct": 1.25,
+            "intake_span_ms": {"http": 4.0, "in_process": 3.0}}
+    pairs = [{**pair, "first": "in-process"}, pair, pair]
+    (tmp_path / path).write_text(json.dumps({"kind": "serve-overhead", "overhead": {"pairs": pairs}}))
+    table = hook.render_serve_pairs(tmp_path, path, "serving.md").splitlines()
+    assert len(table) == 2 + 3  # heading, rule, one row per pair: as many as the run had
+    assert table[1].count("|") == table[0].count("|")
+    assert table[2].startswith("| 1 | in-process | 510.00 | 500.00 | 9.50 | 15.00 | 5.50 | -4.50 | 1.25 % |")
+    assert table[4].startswith("| 3 | HTTP |")
+    del pairs[1]["intake_span_ms"]
+    (tmp_path / path).write_text(json.dumps({"kind": "serve-overhead", "overhead": {"pairs": pairs}}))
+    with pytest.raises(results.DocsError, match="pair 2"):
+        hook.render_serve_pairs(tmp_path, path, "serving.md")
+
+
 # ----------------------------------------------------------------------------- expansion
 def test_expand_keeps_indentation_skips_fences_and_rejects_inline_blocks(two_stages: Path) -> None:
     md = (

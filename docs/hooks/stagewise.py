@@ -17,6 +17,7 @@ admonitions and content tabs):
     <!-- ladder-chart[: docs/results/ladder.cpu.png] -->     the ladder image, or a note
     <!-- ladder-table[: docs/results/ladder.cpu.json] -->    the ladder table, or a note
     <!-- parity-table: docs/results/parity.X.json -->        `stagewise parity`'s table, or a note
+    <!-- serve-pairs: docs/results/serve.X.json -->          `stagewise serve-overhead`'s pairs, or a note
 
 Inline directives (anywhere in a line, e.g. a table cell):
 
@@ -43,7 +44,7 @@ from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _na
                                render_bench_results, render_bench_value)
 
 BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results",
-         "ladder-chart", "ladder-table", "parity-table")
+         "ladder-chart", "ladder-table", "parity-table", "serve-pairs")
 INLINE = ("bench-value", "bench-ratio")
 _NAMES = "|".join(sorted(BLOCK + INLINE, key=len, reverse=True))
 DIRECTIVE_RE = re.compile(r"<!--\s*(" + _NAMES + r")\b\s*:?\s*(.*?)\s*-->")
@@ -234,6 +235,34 @@ def render_parity_table(root: Path, args: str, page_src: str | None = None) -> s
     return "\n".join(out)
 
 
+SERVE_PAIR_COLUMNS = (  # (heading, key in a pair, suffix)
+    ("prefill, in-process", "prefill_p50_ms.in_process", ""), ("prefill, HTTP", "prefill_p50_ms.http", ""),
+    ("net, in-process", "ttft_p50_outside_prefill_ms.in_process", ""),
+    ("net, HTTP", "ttft_p50_outside_prefill_ms.http", ""), ("HTTP adds (net)", "ttft_p50_added_ms", ""),
+    ("HTTP adds (raw)", "ttft_p50_added_raw_ms", ""), ("throughput lost", "throughput_loss_pct", " %"),
+    ("intake, in-process", "intake_span_ms.in_process", ""), ("intake, HTTP", "intake_span_ms.http", ""))
+
+
+def render_serve_pairs(root: Path, args: str, page_src: str | None = None) -> str:
+    """`stagewise serve-overhead`'s pairs, one row each, however many the run had."""
+    path = args.strip()
+    data = load_result(root, path)
+    if data is None:
+        return _admonition("warning", "No committed result yet",
+                           f"`{path}` is not committed yet. Produce it with:\n\n"
+                           + _fence(f"stagewise serve-overhead --stage 9 --model smollm2-135m --json {path}", "bash"))
+    pairs = (data.get("overhead") or {}).get("pairs") if data.get("kind") == "serve-overhead" else None
+    if not isinstance(pairs, list) or not pairs:
+        raise DocsError(f"{path}: expected a `stagewise serve-overhead` result with 'overhead.pairs'")
+    out = ["| pair | first | " + " | ".join(h for h, _, _ in SERVE_PAIR_COLUMNS) + " |",
+           "|---|---|" + "--:|" * len(SERVE_PAIR_COLUMNS)]
+    for i, pair in enumerate(pairs):
+        first = {"http": "HTTP"}.get(pair.get("first"), pair.get("first", "?"))
+        cells = [_fmt(_number(pair, key, f"{path} pair {i + 1}")) + suffix for _, key, suffix in SERVE_PAIR_COLUMNS]
+        out.append(f"| {i + 1} | {first} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------- the hook
 def _render_block(root: Path, name: str, args: str, page_src: str | None) -> str:
     if name in ("stage-diff", "stage-diff-if-present"):
@@ -250,6 +279,8 @@ def _render_block(root: Path, name: str, args: str, page_src: str | None) -> str
         return render_ladder_chart(root, args, page_src)
     if name == "parity-table":
         return render_parity_table(root, args, page_src)
+    if name == "serve-pairs":
+        return render_serve_pairs(root, args, page_src)
     return render_ladder_table(root, args, page_src)
 
 
