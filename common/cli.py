@@ -64,7 +64,8 @@ def cmd_ladder(argv: list[str]) -> int:
 
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
 SUBPROGRAMS = {"serve": "common.serve_cli", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
-               "stability": "common.stability", "profile-decode": "common.profile_decode", "parity": "common.parity"}
+               "stability": "common.stability", "profile-decode": "common.profile_decode",
+               "profile-prefill": "common.profile_prefill", "parity": "common.parity"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/bench_serve.py)")
     sub.add_parser("profile-decode", add_help=False,
                    help="one stage's decode step op by op, against the matmul floor (common/profile_decode.py)")
+    sub.add_parser("profile-prefill", add_help=False,
+                   help="one prompt's prefill op by op, against its matmul floor (common/profile_prefill.py)")
     sub.add_parser("serve-overhead", add_help=False,
                    help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
     sub.add_parser("parity", add_help=False,

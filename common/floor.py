@@ -43,18 +43,21 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repeats: int = 30,
-                    min_time_s: float = 0.0) -> float:
+                    min_time_s: float = 0.0, lm_head_rows: int | None = None) -> float:
     """Median time (ms) of one decode step's matmuls alone, on [batch, in] inputs of the model's
     dtype and device. Inputs are made once, outside the timing; each matmul gets its own input
     (as in the decoder, where every projection reads a fresh activation). At least `repeats`
-    timed steps, more until `min_time_s` has passed (a tiny model's step is too short for 30)."""
-    if batch < 1 or repeats < 1:
-        raise ValueError("batch and repeats: must be >= 1")
+    timed steps, more until `min_time_s` has passed (a tiny model's step is too short for 30).
+    `lm_head_rows`: rows of the last product, the lm_head, where they differ from `batch` (a
+    prefill of `batch` tokens projects only its last row onto the vocabulary)."""
+    if batch < 1 or repeats < 1 or (lm_head_rows is not None and lm_head_rows < 1):
+        raise ValueError("batch, repeats and lm_head_rows: must be >= 1")
     mats = decode_matmuls(model)
     weight = mats[0][0]
     device, dtype = weight.device, weight.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
-    inputs = [torch.randn(batch, w.shape[1], generator=gen).to(device=device, dtype=dtype) for w, _, _ in mats]
+    rows = [batch] * (len(mats) - 1) + [lm_head_rows or batch]
+    inputs = [torch.randn(n, w.shape[1], generator=gen).to(device=device, dtype=dtype) for n, (w, _, _) in zip(rows, mats)]
 
     def step() -> None:
         for x, (w, b, packed) in zip(inputs, mats):

@@ -1,0 +1,175 @@
+"""Where a prefill goes: one prompt's forward, op by op, against its matmul floor.
+
+    stagewise profile-prefill --stage 9 --model smollm2-135m --prompt-len 2000 \\
+        --json docs/results/profile-prefill.s09_batched_worker_lookups.p2000.cpu.json
+
+A prefill of N tokens makes every projection a decode step makes, on N rows at once (and the
+lm_head on the last row only: only its logits are sampled). Those products alone, on the same
+weights, dtype and device, in the same process, are the prefill's floor, as `common/floor.py`
+times them for a decode step; `x floor` (prefill / floor) is what the rest costs: attention,
+which grows with N², the norms, RoPE and activations, and the K/V written to the cache. The
+floor's own rate (`matmul_gflops`, floating-point operations of the projections per second) says
+how close the products run to what this machine's matmul library does at these shapes.
+
+One request of random prompt tokens goes through the stage's offline `generate` with one new
+token, so the forwards of the run are the prefill (several, when stage 11 chunks it: the prefill
+runs from the first one's start to the last one's end). One warm-up run, then `--repeats` timed
+runs with a floor sample after each, then one run under torch.profiler, its ops grouped as
+`stagewise profile-decode` groups them (the profiled run is the whole `generate`: the prefill,
+then sampling its one token and the engine's bookkeeping, a small share of a long prefill).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+from common.profile_decode import GROUPS, op_table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stagewise profile-prefill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", default="9")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--prompt-len", type=int, default=2000, help="random prompt tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills (after one warm-up)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="stage 11's token budget a step, so its chunk size (default: the stage's own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=15, help="ops listed in the report")
+    p.add_argument("--json", default=None, metavar="PATH")
+    return p
+
+
+class PrefillTimer:
+    """Wraps the model's forward: the prefill runs from the first forward of a run to the end of
+    the last (one forward, or stage 11's chunks), synchronised on CUDA."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.forward, self.device = model.forward, device
+        self.spans: list[tuple[float, float]] = []
+        model.forward = self  # instance attribute: nn.Module.__call__ finds it
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = self._now()
+        out = self.forward(*args, **kwargs)
+        self.spans.append((start, self._now()))
+        return out
+
+    def run(self, engine: Any, request_factory: Any) -> float:
+        """One generate() of a fresh request; its prefill in ms."""
+        self.spans = []
+        engine.generate([request_factory()])
+        return (self.spans[-1][1] - self.spans[0][0]) * 1000.0
+
+
+def projection_flops(model: torch.nn.Module, rows: int) -> float:
+    """Floating-point operations of a prefill's projections: 2 * in * out per row and product,
+    every layer's on `rows` rows, the lm_head's on one."""
+    from common.floor import decode_matmuls
+    mats = decode_matmuls(model)
+    per_row = sum(w.shape[0] * w.shape[1] for w, _, _ in mats[:-1])
+    lm_head = mats[-1][0]
+    return 2.0 * (rows * per_row + lm_head.shape[0] * lm_head.shape[1])
+
+
+def measure(a: argparse.Namespace) -> dict:
+    from common.bench_flags import accepted
+    from common.cli import resolve_stage
+    from common.floor import matmul_floor_ms
+    from common.loader import load_model
+    from common.requests import Request, SamplingParams
+
+    package = resolve_stage(a.stage)
+    loaded = load_model(a.model, device=a.device, dtype=a.dtype)
+    module = importlib.import_module(package)
+    knobs = {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens}
+    taken = accepted(module.InferenceEngine, knobs)
+    if a.max_num_batched_tokens is not None and "max_num_batched_tokens" not in taken:
+        raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts (stage 11 chunks them)")
+    engine = module.InferenceEngine(loaded, **taken)
+    rng = random.Random(a.seed)
+    vocab = loaded.model.lm_head_weight.shape[0]
+
+    def request() -> Request:  # fresh tokens each run: no prefix cache can serve it
+        ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(a.prompt_len)]
+        return Request(prompt_token_ids=ids, params=SamplingParams(max_new_tokens=1, stop_on_eos=False))
+
+    def floor() -> float:
+        return matmul_floor_ms(loaded.model, a.prompt_len, warmup=1, repeats=3, lm_head_rows=1)
+
+    timer = PrefillTimer(loaded.model, loaded.device)
+    timer.run(engine, request)  # warm-up
+    times, floors = [], []
+    for _ in range(a.repeats):
+        times.append(timer.run(engine, request))
+        floors.append(floor())
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loaded.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timer.run(engine, request)
+    ops = op_table(prof, 1, kernels=loaded.device.type == "cuda")
+    profiled_ms = sum(r["ms_per_step"] for r in ops)
+    groups = {g: sum(r["ms_per_step"] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
+    prefill_ms, floor_ms = statistics.median(times), statistics.median(floors)
+    flops = projection_flops(loaded.model, a.prompt_len)
+    return {
+        "kind": "profile-prefill", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
+        "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
+        "prompt_len": a.prompt_len, "prefill_ms": prefill_ms, "prefill_samples_ms": [round(t, 3) for t in times],
+        "floor_ms": floor_ms, "floor_samples_ms": [round(f, 3) for f in floors],
+        "x_floor": prefill_ms / floor_ms if floor_ms else None,
+        "projection_gflop": flops / 1e9,
+        "matmul_gflops": flops / floor_ms / 1e6 if floor_ms else None,  # GFLOP/s of the projections alone
+        "prefill_gflops": flops / prefill_ms / 1e6 if prefill_ms else None,  # the same work over the whole prefill
+        "profiled_ms": profiled_ms, "groups_ms_profiled": groups,
+        "groups_share": {g: v / profiled_ms if profiled_ms else 0.0 for g, v in groups.items()},
+        "ops": ops[:max(a.top, 40)],
+    }
+
+
+def format_profile(r: dict, top: int) -> str:
+    lines = [f"=== prefill profile: {r['stage']} on {r['model']} ({r['device']}, {r['dtype']}) ===",
+             f"One {r['prompt_len']}-token prompt; {len(r['prefill_samples_ms'])} timed prefills",
+             f"Prefill (no profiler): {r['prefill_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
+             f"x floor {r['x_floor']:.2f}",
+             f"Projections: {r['projection_gflop']:.1f} GFLOP; alone {r['matmul_gflops']:.1f} GFLOP/s, "
+             f"over the whole prefill {r['prefill_gflops']:.1f} GFLOP/s",
+             f"Profiled prefill: {r['profiled_ms']:.2f} ms of ops, by group:"]
+    for g, ms in r["groups_ms_profiled"].items():
+        lines.append(f"  {g:10s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %")
+    lines.append(f"{'op':52s} {'group':10s} {'ms':>9s} {'calls':>7s}")
+    for row in r["ops"][:top]:
+        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:9.2f} {row['calls_per_step']:7.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.prompt_len < 1 or a.repeats < 1:
+        raise SystemExit("profile-prefill: --prompt-len and --repeats must be >= 1")
+    torch.manual_seed(a.seed)
+    result = measure(a)
+    print(format_profile(result, a.top), flush=True)
+    if a.json:
+        from common.bench import write_result
+        write_result(a.json, result, "profile-prefill", argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
