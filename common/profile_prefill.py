@@ -13,7 +13,12 @@ how close the products run to what this machine's matmul library does at these s
 
 One request of random prompt tokens goes through the stage's offline `generate` with one new
 token, so the forwards of the run are the prefill (several, when stage 11 chunks it: the prefill
-runs from the first one's start to the last one's end). One warm-up run, then `--repeats` timed
+runs from the first one's start to the last one's end). The prefix cache is off. With it on,
+each run's blocks would stay cached and the next run would take blocks the pool has never
+used, and the pool is backed by memory lazily (`torch.empty`): a block's first use costs the
+OS's page faults for every layer's K and V (60 ms for a 256-token prompt's 16 blocks here),
+a cost of the pool's first pass, not of a prefill. Without it, a run's blocks go back to the
+pool and the next run reuses them. One warm-up run, then `--repeats` timed
 runs with a floor sample after each, then one run under torch.profiler, its ops grouped as
 `stagewise profile-decode` groups them (the profiled run is the whole `generate`: the prefill,
 then sampling its one token and the engine's bookkeeping, a small share of a long prefill).
@@ -98,7 +103,10 @@ def measure(a: argparse.Namespace) -> dict:
     package = resolve_stage(a.stage)
     loaded = load_model(a.model, device=a.device, dtype=a.dtype)
     module = importlib.import_module(package)
-    knobs = {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens}
+    # Prefix cache off: a random prompt never hits it, and without it each run's blocks go back to
+    # the pool, so the timed runs reuse the blocks the warm-up touched (see the module docstring).
+    knobs = {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
+             "prefix_cache_max_entries": 0, "enable_prefix_caching": False}
     taken = accepted(module.InferenceEngine, knobs)
     if a.max_num_batched_tokens is not None and "max_num_batched_tokens" not in taken:
         raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts (stage 11 chunks them)")
