@@ -93,6 +93,13 @@ def projection_flops(model: torch.nn.Module, rows: int) -> float:
     return 2.0 * (rows * per_row + lm_head.shape[0] * lm_head.shape[1])
 
 
+def attention_flops(config: Any, tokens: int) -> float:
+    """Floating-point operations of causal attention over a prompt: every query-key pair with the
+    key not after the query, for q.k and for p.v (2 * head_dim each), every query head and layer."""
+    pairs = tokens * (tokens + 1) / 2
+    return 4.0 * pairs * config.head_dim * config.num_heads * config.num_layers
+
+
 def measure(a: argparse.Namespace) -> dict:
     from common.bench_flags import accepted
     from common.cli import resolve_stage
@@ -135,6 +142,7 @@ def measure(a: argparse.Namespace) -> dict:
     groups = {g: sum(r["ms_per_step"] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
     prefill_ms, floor_ms = statistics.median(times), statistics.median(floors)
     flops = projection_flops(loaded.model, a.prompt_len)
+    attn_flops = attention_flops(loaded.config, a.prompt_len)
     return {
         "kind": "profile-prefill", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
@@ -144,6 +152,8 @@ def measure(a: argparse.Namespace) -> dict:
         "projection_gflop": flops / 1e9,
         "matmul_gflops": flops / floor_ms / 1e6 if floor_ms else None,  # GFLOP/s of the projections alone
         "prefill_gflops": flops / prefill_ms / 1e6 if prefill_ms else None,  # the same work over the whole prefill
+        "attention_gflop": attn_flops / 1e9,  # GFLOP/s of attention, from its profiled time:
+        "attention_gflops_profiled": attn_flops / groups["attention"] / 1e6 if groups["attention"] else None,
         "profiled_ms": profiled_ms, "groups_ms_profiled": groups,
         "groups_share": {g: v / profiled_ms if profiled_ms else 0.0 for g, v in groups.items()},
         "ops": ops[:max(a.top, 40)],
@@ -157,6 +167,8 @@ def format_profile(r: dict, top: int) -> str:
              f"x floor {r['x_floor']:.2f}",
              f"Projections: {r['projection_gflop']:.1f} GFLOP; alone {r['matmul_gflops']:.1f} GFLOP/s, "
              f"over the whole prefill {r['prefill_gflops']:.1f} GFLOP/s",
+             f"Causal attention: {r['attention_gflop']:.1f} GFLOP, at {r['attention_gflops_profiled'] or 0:.1f} GFLOP/s "
+             f"(its profiled time)",
              f"Profiled prefill: {r['profiled_ms']:.2f} ms of ops, by group:"]
     for g, ms in r["groups_ms_profiled"].items():
         lines.append(f"  {g:10s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %")

@@ -28,6 +28,9 @@ def test_profile_prefill_on_tiny(stage: str, tmp_path: Path, capsys, tiny) -> No
     assert sum(r["groups_ms_profiled"].values()) == pytest.approx(r["profiled_ms"])
     assert r["groups_ms_profiled"]["attention"] > 0
     assert r["projection_gflop"] == pytest.approx(profile_prefill.projection_flops(tiny.model, 40) / 1e9)
+    c = tiny.config  # 40 * 41 / 2 causal pairs, q.k and p.v, every query head and layer
+    assert r["attention_gflop"] * 1e9 == pytest.approx(4 * 820 * c.head_dim * c.num_heads * c.num_layers)
+    assert r["attention_gflops_profiled"] > 0
     assert r["env"]["git_commit"] and r["command"].startswith("stagewise profile-prefill --stage")
 
 
