@@ -199,6 +199,14 @@ def write_result(path: str | Path, result: dict, program: str, argv: list[str] |
     write_json(path, {**result, "command": f"stagewise {program} " + " ".join(words), "env": collect_env(result["device"])})
 
 
+def print_and_write(program: str, result: dict, report: str, path: str | None, argv: list[str] | None) -> int:
+    """Print a `stagewise <program>` report, and write its result where `--json` said (if it did)."""
+    print(report, flush=True)
+    if path:
+        write_result(path, result, program, argv)
+    return 0
+
+
 KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache max concurrency",
                "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size",
                "max_num_batched_tokens": "Max num batched tokens"}

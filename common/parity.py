@@ -151,11 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("parity: --max-new-tokens and --max-batch-size must be >= 1, --random-prompts >= 0")
     torch.manual_seed(a.seed)
     result = measure(a)
-    print(format_parity(result), flush=True)
-    if a.json:
-        from common.bench import write_result
-        write_result(a.json, result, "parity", argv)
-    return 0
+    from common.bench import print_and_write
+    return print_and_write("parity", result, format_parity(result), a.json, argv)
 
 
 if __name__ == "__main__":

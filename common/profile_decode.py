@@ -90,6 +90,42 @@ def op_table(prof: Any, steps: int, kernels: bool = False) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
+def stage_engine(a: argparse.Namespace, knobs: dict) -> tuple[str, Any, Any]:
+    """(stage package, loaded model, the stage's offline InferenceEngine with those of `knobs` it takes)."""
+    from common.bench_flags import accepted
+    from common.cli import resolve_stage
+    from common.loader import load_model
+
+    package = resolve_stage(a.stage)
+    loaded = load_model(a.model, device=a.device, dtype=a.dtype)
+    engine_class = importlib.import_module(package).InferenceEngine
+    return package, loaded, engine_class(loaded, **accepted(engine_class, knobs))
+
+
+def by_group(ops: list[dict], key: str = "ms_per_step") -> dict[str, float]:
+    """The op rows' `key` summed per group (matmul, attention, kv_cache, other)."""
+    return {g: sum(r[key] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
+
+
+def group_fields(ops: list[dict]) -> dict:
+    """The profiled total (ms) and every group's ms and share of it, as the JSON keeps them."""
+    total = sum(r["ms_per_step"] for r in ops)
+    groups = by_group(ops)
+    return {"profiled_ms": total, "groups_ms_profiled": groups,
+            "groups_share": {g: v / total if total else 0.0 for g, v in groups.items()}}
+
+
+def report_lines(r: dict, top: int, per: str) -> list[str]:
+    """The groups, then the `top` ops, of a profile result (`per`: "step", "prefill", ...)."""
+    kernels = "kernel_ms_per_step" in r  # a CUDA profile: every op row has its kernels' time too
+    lines = [f"  {g:10s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %" for g, ms in r["groups_ms_profiled"].items()]
+    lines.append(f"{'op':52s} {'group':10s} {'ms/' + per:>12s} {'calls/' + per:>13s}" + (f" {'kernel ms':>9s}" if kernels else ""))
+    for row in r["ops"][:top]:
+        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:12.2f} {row['calls_per_step']:13.1f}"
+                     + (f" {row['kernel_ms_per_step']:9.2f}" if kernels else ""))
+    return lines
+
+
 class DecodeWindow:
     """Wraps the model's forward to find the decode steps: a step runs from one forward of one
     token per row to the next (the forward, sampling, the engine's bookkeeping), as the benches'
@@ -129,16 +165,10 @@ class DecodeWindow:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.bench_flags import accepted
-    from common.cli import resolve_stage
     from common.floor import decode_matmuls, matmul_floor_ms
-    from common.loader import load_model
     from common.requests import Request, SamplingParams
 
-    package = resolve_stage(a.stage)
-    loaded = load_model(a.model, device=a.device, dtype=a.dtype)
-    module = importlib.import_module(package)
-    engine = module.InferenceEngine(loaded, **accepted(module.InferenceEngine, {"max_batch_size": a.batch}))
+    package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
     ids = [[rng.randrange(min(100, vocab - 1), vocab) for _ in range(a.prompt_len)] for _ in range(a.batch)]
@@ -160,15 +190,14 @@ def measure(a: argparse.Namespace) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as floor_prof:
         matmul_floor_ms(loaded.model, a.batch, warmup=2, repeats=a.steps)
     floor_mm = sum(r["ms_per_step"] for r in op_table(floor_prof, a.steps + 2) if r["group"] == "matmul")  # warm-up + repeats
-    profiled_ms = sum(r["ms_per_step"] for r in ops)
-    groups = {g: sum(r["ms_per_step"] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
+    fields = group_fields(ops)
+    profiled_ms, groups = fields["profiled_ms"], fields["groups_ms_profiled"]
     step_ms, floor_ms = statistics.median(times), statistics.median(floors)
     kernel = {}
     if cuda:  # how much of a step the GPU computes; the rest is launching, Python and waiting
         kernel_ms = sum(r["kernel_ms_per_step"] for r in ops)
         kernel = {"kernel_ms_per_step": kernel_ms, "kernel_share_of_step": kernel_ms / step_ms if step_ms else None,
-                  "groups_kernel_ms": {g: sum(r["kernel_ms_per_step"] for r in ops if r["group"] == g)
-                                       for g in [*GROUPS, "other"]}}
+                  "groups_kernel_ms": by_group(ops, "kernel_ms_per_step")}
     return {
         "kind": "profile-decode", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
@@ -178,8 +207,7 @@ def measure(a: argparse.Namespace) -> dict:
         "floor_ms": floor_ms, "floor_samples_ms": [round(f, 3) for f in floors],
         "x_floor": step_ms / floor_ms if floor_ms else None,
         "profiled_step_ms": profiled_ms,
-        "groups_ms_profiled": groups,
-        "groups_share": {g: v / profiled_ms if profiled_ms else 0.0 for g, v in groups.items()},
+        "groups_ms_profiled": groups, "groups_share": fields["groups_share"],
         "floor_matmul_ms_profiled": floor_mm,
         "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm else None,
         **kernel,
@@ -192,22 +220,15 @@ def format_profile(r: dict, top: int) -> str:
              f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
              f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
              f"x floor {r['x_floor']:.2f}",
-             f"Profiled step: {r['profiled_step_ms']:.2f} ms of ops per step, by group:"]
-    for g, ms in r["groups_ms_profiled"].items():
-        lines.append(f"  {g:10s} {ms:8.2f} ms  {100 * r['groups_share'][g]:5.1f} %")
-    lines.append(f"Matmuls in the step vs the same matmuls alone (both profiled): "
-                 f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
-                 f"= {r['matmul_vs_floor']:.2f}x")
-    kernels = "kernel_ms_per_step" in r  # a CUDA profile: every op row has its kernels' time too
-    if kernels:
+             f"Matmuls in the step vs the same matmuls alone (both profiled): "
+             f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
+             f"= {r['matmul_vs_floor']:.2f}x"]
+    if "kernel_ms_per_step" in r:  # a CUDA profile
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "
                      + ", ".join(f"{g} {ms:.2f}" for g, ms in r["groups_kernel_ms"].items()))
-    lines.append(f"{'op':52s} {'group':10s} {'ms/step':>8s} {'calls/step':>10s}" + (f" {'kernel ms':>9s}" if kernels else ""))
-    for row in r["ops"][:top]:
-        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:8.2f} {row['calls_per_step']:10.1f}"
-                     + (f" {row['kernel_ms_per_step']:9.2f}" if kernels else ""))
-    return "\n".join(lines)
+    lines.append(f"Profiled step: {r['profiled_step_ms']:.2f} ms of ops per step, by group:")
+    return "\n".join(lines + report_lines(r, top, "step"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,11 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("profile-decode: --batch, --prompt-len and --steps must be >= 1")
     torch.manual_seed(a.seed)
     result = measure(a)
-    print(format_profile(result, a.top), flush=True)
-    if a.json:
-        from common.bench import write_result
-        write_result(a.json, result, "profile-decode", argv)
-    return 0
+    from common.bench import print_and_write
+    return print_and_write("profile-decode", result, format_profile(result, a.top), a.json, argv)
 
 
 if __name__ == "__main__":

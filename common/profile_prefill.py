@@ -26,7 +26,6 @@ then sampling its one token and the engine's bookkeeping, a small share of a lon
 from __future__ import annotations
 
 import argparse
-import importlib
 import random
 import statistics
 import sys
@@ -37,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.profile_decode import GROUPS, op_table
+from common.profile_decode import group_fields, op_table, report_lines, stage_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,23 +100,15 @@ def attention_flops(config: Any, tokens: int) -> float:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.bench_flags import accepted
-    from common.cli import resolve_stage
     from common.floor import matmul_floor_ms
-    from common.loader import load_model
     from common.requests import Request, SamplingParams
 
-    package = resolve_stage(a.stage)
-    loaded = load_model(a.model, device=a.device, dtype=a.dtype)
-    module = importlib.import_module(package)
     # Prefix cache off: a random prompt never hits it, and without it each run's blocks go back to
     # the pool, so the timed runs reuse the blocks the warm-up touched (see the module docstring).
-    knobs = {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
-             "prefix_cache_max_entries": 0, "enable_prefix_caching": False}
-    taken = accepted(module.InferenceEngine, knobs)
-    if a.max_num_batched_tokens is not None and "max_num_batched_tokens" not in taken:
+    package, loaded, engine = stage_engine(a, {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
+                                               "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
+    if a.max_num_batched_tokens is not None and not hasattr(engine, "max_num_batched_tokens"):
         raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts (stage 11 chunks them)")
-    engine = module.InferenceEngine(loaded, **taken)
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
 
@@ -138,8 +129,8 @@ def measure(a: argparse.Namespace) -> dict:
     with profile(activities=activities) as prof:
         timer.run(engine, request)
     ops = op_table(prof, 1, kernels=loaded.device.type == "cuda")
-    profiled_ms = sum(r["ms_per_step"] for r in ops)
-    groups = {g: sum(r["ms_per_step"] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
+    fields = group_fields(ops)
+    attention_ms = fields["groups_ms_profiled"]["attention"]
     prefill_ms, floor_ms = statistics.median(times), statistics.median(floors)
     flops = projection_flops(loaded.model, a.prompt_len)
     attn_flops = attention_flops(loaded.config, a.prompt_len)
@@ -153,9 +144,8 @@ def measure(a: argparse.Namespace) -> dict:
         "matmul_gflops": flops / floor_ms / 1e6 if floor_ms else None,  # GFLOP/s of the projections alone
         "prefill_gflops": flops / prefill_ms / 1e6 if prefill_ms else None,  # the same work over the whole prefill
         "attention_gflop": attn_flops / 1e9,  # GFLOP/s of attention, from its profiled time:
-        "attention_gflops_profiled": attn_flops / groups["attention"] / 1e6 if groups["attention"] else None,
-        "profiled_ms": profiled_ms, "groups_ms_profiled": groups,
-        "groups_share": {g: v / profiled_ms if profiled_ms else 0.0 for g, v in groups.items()},
+        "attention_gflops_profiled": attn_flops / attention_ms / 1e6 if attention_ms else None,
+        **fields,
         "ops": ops[:max(a.top, 40)],
     }
 
@@ -170,12 +160,7 @@ def format_profile(r: dict, top: int) -> str:
              f"Causal attention: {r['attention_gflop']:.1f} GFLOP, at {r['attention_gflops_profiled'] or 0:.1f} GFLOP/s "
              f"(its profiled time)",
              f"Profiled prefill: {r['profiled_ms']:.2f} ms of ops, by group:"]
-    for g, ms in r["groups_ms_profiled"].items():
-        lines.append(f"  {g:10s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %")
-    lines.append(f"{'op':52s} {'group':10s} {'ms':>9s} {'calls':>7s}")
-    for row in r["ops"][:top]:
-        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:9.2f} {row['calls_per_step']:7.0f}")
-    return "\n".join(lines)
+    return "\n".join(lines + report_lines(r, top, "prefill"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,11 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("profile-prefill: --prompt-len and --repeats must be >= 1")
     torch.manual_seed(a.seed)
     result = measure(a)
-    print(format_profile(result, a.top), flush=True)
-    if a.json:
-        from common.bench import write_result
-        write_result(a.json, result, "profile-prefill", argv)
-    return 0
+    from common.bench import print_and_write
+    return print_and_write("profile-prefill", result, format_profile(result, a.top), a.json, argv)
 
 
 if __name__ == "__main__":
