@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.profile_decode import group_fields, op_table, report_lines, stage_engine
+from common.profile_decode import by_group, group_fields, op_table, report_lines, stage_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +108,8 @@ def measure(a: argparse.Namespace) -> dict:
     package, loaded, engine = stage_engine(a, {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
                                                "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
     if a.max_num_batched_tokens is not None and not hasattr(engine, "max_num_batched_tokens"):
-        raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts (stage 11 chunks them)")
+        raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts "
+                         "(stage 11 chunks them)")
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
 
@@ -128,9 +129,14 @@ def measure(a: argparse.Namespace) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loaded.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         timer.run(engine, request)
-    ops = op_table(prof, 1, kernels=loaded.device.type == "cuda")
+    cuda = loaded.device.type == "cuda"
+    ops = op_table(prof, 1, kernels=cuda)
     fields = group_fields(ops)
-    attention_ms = fields["groups_ms_profiled"]["attention"]
+    kernel = {}
+    if cuda:  # an op's CPU time is then its launch; what the GPU computes is its kernels' time
+        kernel = {"kernel_ms_per_step": sum(r["kernel_ms_per_step"] for r in ops),
+                  "groups_kernel_ms": by_group(ops, "kernel_ms_per_step")}
+    attention_ms = (kernel["groups_kernel_ms"] if cuda else fields["groups_ms_profiled"])["attention"]
     prefill_ms, floor_ms = statistics.median(times), statistics.median(floors)
     flops = projection_flops(loaded.model, a.prompt_len)
     attn_flops = attention_flops(loaded.config, a.prompt_len)
@@ -143,9 +149,9 @@ def measure(a: argparse.Namespace) -> dict:
         "projection_gflop": flops / 1e9,
         "matmul_gflops": flops / floor_ms / 1e6 if floor_ms else None,  # GFLOP/s of the projections alone
         "prefill_gflops": flops / prefill_ms / 1e6 if prefill_ms else None,  # the same work over the whole prefill
-        "attention_gflop": attn_flops / 1e9,  # GFLOP/s of attention, from its profiled time:
+        "attention_gflop": attn_flops / 1e9,  # GFLOP/s of attention, from its profiled (kernel) time:
         "attention_gflops_profiled": attn_flops / attention_ms / 1e6 if attention_ms else None,
-        **fields,
+        **fields, **kernel,
         "ops": ops[:max(a.top, 40)],
     }
 

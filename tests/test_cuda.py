@@ -121,3 +121,21 @@ def test_close_gives_the_kv_memory_back(package, tiny_cuda):
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, f"{package}: {torch.cuda.memory_allocated() - before} bytes kept"
+
+
+@pytest.mark.parametrize("program", ["profile_decode", "profile_prefill"])
+def test_profiles_count_the_gpu_kernels(program, tmp_path):
+    """On CUDA an op's CPU time is its launch: both profilers also record their kernels' time."""
+    import importlib
+    import json
+
+    module = importlib.import_module(f"common.{program}")
+    shape = (["--batch", "2", "--prompt-len", "9", "--steps", "3"] if program == "profile_decode"
+             else ["--prompt-len", "24", "--repeats", "1"])
+    out = tmp_path / "profile.json"
+    assert module.main(["--stage", "9", "--model", "tiny", "--device", "cuda", "--dtype", "float32", *shape,
+                        "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["device"].startswith("cuda") and r["kernel_ms_per_step"] > 0
+    assert sum(r["groups_kernel_ms"].values()) == pytest.approx(r["kernel_ms_per_step"])
+    assert all("kernel_ms_per_step" in row for row in r["ops"])
