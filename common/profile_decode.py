@@ -115,6 +115,12 @@ def group_fields(ops: list[dict]) -> dict:
             "groups_share": {g: v / total if total else 0.0 for g, v in groups.items()}}
 
 
+def kernel_fields(ops: list[dict]) -> dict:
+    """A CUDA profile's GPU time: every op's kernels summed, in all and per group."""
+    return {"kernel_ms_per_step": sum(r["kernel_ms_per_step"] for r in ops),
+            "groups_kernel_ms": by_group(ops, "kernel_ms_per_step")}
+
+
 def report_lines(r: dict, top: int, per: str) -> list[str]:
     """The groups, then the `top` ops, of a profile result (`per`: "step", "prefill", ...)."""
     kernels = "kernel_ms_per_step" in r  # a CUDA profile: every op row has its kernels' time too
@@ -193,11 +199,9 @@ def measure(a: argparse.Namespace) -> dict:
     fields = group_fields(ops)
     profiled_ms, groups = fields["profiled_ms"], fields["groups_ms_profiled"]
     step_ms, floor_ms = statistics.median(times), statistics.median(floors)
-    kernel = {}
+    kernel = kernel_fields(ops) if cuda else {}
     if cuda:  # how much of a step the GPU computes; the rest is launching, Python and waiting
-        kernel_ms = sum(r["kernel_ms_per_step"] for r in ops)
-        kernel = {"kernel_ms_per_step": kernel_ms, "kernel_share_of_step": kernel_ms / step_ms if step_ms else None,
-                  "groups_kernel_ms": by_group(ops, "kernel_ms_per_step")}
+        kernel["kernel_share_of_step"] = kernel["kernel_ms_per_step"] / step_ms if step_ms else None
     return {
         "kind": "profile-decode", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),

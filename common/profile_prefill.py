@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.profile_decode import by_group, group_fields, op_table, report_lines, stage_engine
+from common.profile_decode import group_fields, kernel_fields, op_table, report_lines, stage_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,10 +132,7 @@ def measure(a: argparse.Namespace) -> dict:
     cuda = loaded.device.type == "cuda"
     ops = op_table(prof, 1, kernels=cuda)
     fields = group_fields(ops)
-    kernel = {}
-    if cuda:  # an op's CPU time is then its launch; what the GPU computes is its kernels' time
-        kernel = {"kernel_ms_per_step": sum(r["kernel_ms_per_step"] for r in ops),
-                  "groups_kernel_ms": by_group(ops, "kernel_ms_per_step")}
+    kernel = kernel_fields(ops) if cuda else {}  # an op's CPU time is then its launch, its kernels the GPU's work
     attention_ms = (kernel["groups_kernel_ms"] if cuda else fields["groups_ms_profiled"])["attention"]
     prefill_ms, floor_ms = statistics.median(times), statistics.median(floors)
     flops = projection_flops(loaded.model, a.prompt_len)
