@@ -97,12 +97,13 @@ def measure(a: argparse.Namespace) -> dict:
     from common.hf_baseline import HFGenerateEngine
     from common.loader import load_model
     from common.requests import Request, SamplingParams
+    from common.workloads import model_token_range, random_token_ids
 
     loaded = load_model(a.model, device=a.device, dtype=a.dtype)
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
     prompts = [loaded.tokenizer(p)["input_ids"] for p in PROMPTS]
-    prompts += [[rng.randrange(min(100, vocab - 1), vocab) for _ in range(rng.randint(16, 200))]
+    prompts += [random_token_ids(rng, rng.randint(16, 200), *model_token_range(vocab))
                 for _ in range(a.random_prompts)]
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=a.max_new_tokens)) for p in prompts]
     hf = HFGenerateEngine(loaded, max_batch_size=1)  # one prompt at a time: no padding in the reference

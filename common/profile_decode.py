@@ -173,11 +173,12 @@ class DecodeWindow:
 def measure(a: argparse.Namespace) -> dict:
     from common.floor import decode_matmuls, matmul_floor_ms
     from common.requests import Request, SamplingParams
+    from common.workloads import model_token_range, random_token_ids
 
     package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
-    ids = [[rng.randrange(min(100, vocab - 1), vocab) for _ in range(a.prompt_len)] for _ in range(a.batch)]
+    ids = [random_token_ids(rng, a.prompt_len, *model_token_range(vocab)) for _ in range(a.batch)]
     new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
     budget = getattr(engine, "max_num_batched_tokens", None)
     if budget:  # chunked prefill (stage 11): the first prompts decode while the last are prefilled,

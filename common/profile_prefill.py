@@ -102,6 +102,7 @@ def attention_flops(config: Any, tokens: int) -> float:
 def measure(a: argparse.Namespace) -> dict:
     from common.floor import matmul_floor_ms
     from common.requests import Request, SamplingParams
+    from common.workloads import model_token_range, random_token_ids
 
     # Prefix cache off: a random prompt never hits it, and without it each run's blocks go back to
     # the pool, so the timed runs reuse the blocks the warm-up touched (see the module docstring).
@@ -114,7 +115,7 @@ def measure(a: argparse.Namespace) -> dict:
     vocab = loaded.model.lm_head_weight.shape[0]
 
     def request() -> Request:  # fresh tokens each run: no prefix cache can serve it
-        ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(a.prompt_len)]
+        ids = random_token_ids(rng, a.prompt_len, *model_token_range(vocab))
         return Request(prompt_token_ids=ids, params=SamplingParams(max_new_tokens=1, stop_on_eos=False))
 
     def floor() -> float:
@@ -126,10 +127,9 @@ def measure(a: argparse.Namespace) -> dict:
     for _ in range(a.repeats):
         times.append(timer.run(engine, request))
         floors.append(floor())
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loaded.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        timer.run(engine, request)
     cuda = loaded.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        timer.run(engine, request)
     ops = op_table(prof, 1, kernels=cuda)
     fields = group_fields(ops)
     kernel = kernel_fields(ops) if cuda else {}  # an op's CPU time is then its launch, its kernels the GPU's work

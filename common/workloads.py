@@ -36,6 +36,13 @@ def ordinary_token_range(tokenizer) -> tuple[int, int, frozenset[int]]:
     return lo, vocab, special
 
 
+def model_token_range(vocab: int) -> tuple[int, int, frozenset[int]]:
+    """[lo, hi) for prompts that only have to be tokens to the model (the profilers' and parity's
+    random prompts): any id past the first 100, special ones included. Kept apart from
+    `ordinary_token_range` so that their committed results draw the same prompts again."""
+    return min(100, vocab - 1), vocab, frozenset()
+
+
 def random_token_ids(rng: random.Random, n: int, lo: int, hi: int, special: frozenset[int]) -> list[int]:
     ids: list[int] = []
     while len(ids) < n:
