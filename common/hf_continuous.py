@@ -17,6 +17,7 @@ A fresh manager per `generate` call means a fresh prefix cache per run, as for o
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -62,9 +63,12 @@ class HFContinuousEngine:
         if not hasattr(self.model, "generate_batch"):
             raise RuntimeError("this transformers has no generate_batch (continuous batching)")
         self.generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=16)
+        # The block size's keyword: `page_size` in recent releases, `block_size` in older ones (5.17,
+        # which the GPU machines' image has, refuses `page_size`).
+        size_kw = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
         self.cb_config = ContinuousBatchingConfig(
-            page_size=int(block_size), num_blocks=int(num_blocks), max_requests_per_batch=int(max_batch_size),
-            max_batch_tokens=int(max_batch_tokens or max(256, 64 * max_batch_size)))
+            num_blocks=int(num_blocks), max_requests_per_batch=int(max_batch_size),
+            max_batch_tokens=int(max_batch_tokens or max(256, 64 * max_batch_size)), **{size_kw: int(block_size)})
         self.setup_s: list[float] = []
         self._kv_pool_bytes = int(num_blocks) * int(block_size) * loaded.config.kv_bytes_per_token(loaded.dtype)
 
