@@ -296,7 +296,7 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
         assert set(data[key]) == {"p50", "p95", "p99"}, key
     assert data["config"]["block_size"] == 32 and data["config"]["compare"] is True
-    assert {"git_commit", "git_dirty", "torch", "transformers", "device_name", "cpu_model",
+    assert {"git_commit", "git_dirty", "torch", "transformers", "device_name", "cpu_model", "cpu_capability",
             "torch_threads", "cpu_count"} <= set(data["env"])
     assert len(data["runs"]) == 2 and data["kv"] == {"peak_kv_bytes": 2**20}
     assert [c["engine"] for c in data["compare"]] == ["fake_s01", "hf_generate"]

@@ -6,25 +6,33 @@ pool or a mask in fp32 beside bf16 activations, say) either raises inside SDPA o
 twice the KV memory; the CPU takes the same code paths in bf16, so both show here.
 
 What bf16 cannot give is exact parity: transformers' bf16 `generate` rounds the same ops in the
-same order only where the shapes are the same, and a stage batches, pads and chunks. So the check
-is the one the Metrics page reports for CUDA: the first token of every prompt equals transformers'
-(one prompt's prefill), and tokens agree up to the first difference for nearly all of a greedy
-continuation (after a difference a row goes on from another prefix, so nothing after it counts).
+same order only where the shapes are the same, and a stage batches, pads and chunks. Which way a
+near tie between the two best tokens tips then depends on the machine's kernels too: on `tiny`,
+12 prompts, 3 seeds, torch 2.13, the share of tokens before each row's first difference was
+0.94-1.0 with ATen's AVX2 kernels, 0.85-0.98 with its AVX-512 ones and 1.0 with the scalar ones
+(`ATEN_CPU_CAPABILITY`), on the same CPU. So the check is the one `stagewise parity` reports
+(common/parity.py): wherever a row first differs from transformers', transformers' own best two
+logits there were within a few bf16 steps of each other, a tie that rounding may break either way.
+A real error (a wrong mask, position or cache entry) flips tokens where the model was sure: the
+median margin of `tiny`'s greedy tokens is about 12 steps, and every difference measured on the
+machines above was within 1.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
+from common.parity import first_difference
 from common.requests import Request, SamplingParams
 from conftest import STAGE_DIRS, run_hf_greedy, stage_module, streaming_packages
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # batches of four tiny rows
 MAX_NEW = 16
-MIN_AGREEMENT = 0.9  # share of tokens before each row's first difference; measured 0.94-1.0 (torch 2.13, 3 seeds)
+MAX_TIE_STEPS = 4  # a first difference must sit where transformers' top two logits are this close, in bf16 steps
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +50,30 @@ def prompts_and_reference(tiny_bf16):
     hf = AutoModelForCausalLM.from_pretrained(tiny_bf16.path, dtype=torch.bfloat16).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 90))] for _ in range(12)]
-    return prompts, [run_hf_greedy(hf, p, MAX_NEW, tiny_bf16.config.eos_token_ids) for p in prompts]
+    return prompts, [run_hf_greedy(hf, p, MAX_NEW, tiny_bf16.config.eos_token_ids) for p in prompts], hf
 
 
-def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
-    """Share of the reference's tokens that come before their row's first difference."""
-    agreed = 0
-    for out, ref in zip(outputs, reference):
-        agreed += next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-    return agreed / sum(len(ref) for ref in reference)
+def bf16_steps(margin: float, top: float) -> float:
+    """`margin` in units of bf16's spacing at the size of `top` (8 significant bits: 0.125 from 16 to 32)."""
+    return margin / 2.0 ** (math.floor(math.log2(abs(top))) - 7)
+
+
+@torch.inference_mode()
+def _not_ties(outputs: list[list[int]], prompts: list[list[int]], reference: list[list[int]], hf) -> list[dict]:
+    """The rows whose first difference from the reference is more than rounding: [] when all agree up to ties."""
+    bad = []
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        at = first_difference(out, ref)
+        if at is None:
+            continue
+        if at >= len(ref) or at >= len(out):  # one stopped (EOS) where the other went on: that is a token too
+            bad.append({"row": i, "at": at, "why": "lengths differ"})
+            continue
+        top2 = hf(torch.tensor([prompts[i] + ref[:at]])).logits[0, -1].float().topk(2).values
+        steps = bf16_steps(float(top2[0] - top2[1]), float(top2[0]))
+        if steps > MAX_TIE_STEPS:
+            bad.append({"row": i, "at": at, "ours": out[at], "reference": ref[at], "bf16_steps": steps})
+    return bad
 
 
 def _check_kv_dtype(engine, config, batches: list[list[list[int]]]) -> None:
@@ -66,13 +89,12 @@ def _check_kv_dtype(engine, config, batches: list[list[list[int]]]) -> None:
 
 @pytest.mark.parametrize("stage", STAGE_DIRS)
 def test_offline_generate_in_bf16_agrees_with_transformers_bf16(stage, tiny_bf16, prompts_and_reference):
-    prompts, reference = prompts_and_reference
+    prompts, reference, hf = prompts_and_reference
     engine = stage_module(stage).InferenceEngine(tiny_bf16, max_batch_size=4)
     completions = engine.generate([Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
                                    for p in prompts])
     outputs = [c.token_ids for c in completions]
-    assert [out[0] for out in outputs] == [ref[0] for ref in reference], stage
-    assert _agreement(outputs, reference) >= MIN_AGREEMENT, (stage, outputs, reference)
+    assert _not_ties(outputs, prompts, reference, hf) == [], stage
     _check_kv_dtype(engine, tiny_bf16.config, [prompts[i:i + 4] for i in range(0, len(prompts), 4)])
 
 
@@ -82,7 +104,7 @@ def test_streaming_in_bf16_through_the_scheduler_manager(package, tiny_bf16, pro
     from common import stages as registry
 
     stage = registry.load_stage(package)
-    prompts, reference = prompts_and_reference
+    prompts, reference, hf = prompts_and_reference
     manager = stage.SchedulerManager(stage.InferenceEngine(tiny_bf16, max_batch_size=4), max_batch_size=4)
     try:
         greedy = [manager.add_request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
@@ -100,6 +122,5 @@ def test_streaming_in_bf16_through_the_scheduler_manager(package, tiny_bf16, pro
     finally:
         manager.close()
     greedy_out, sampled_out = outputs[:len(prompts)], outputs[len(prompts):]
-    assert [out[0] for out in greedy_out] == [ref[0] for ref in reference], package
-    assert _agreement(greedy_out, reference) >= MIN_AGREEMENT, package
+    assert _not_ties(greedy_out, prompts, reference, hf) == [], package
     assert all(len(out) == MAX_NEW for out in sampled_out)

@@ -113,6 +113,12 @@ def test_extract_symbol_methods_assignments_and_decorators() -> None:
 
 
 # ----------------------------------------------------------------------------- results
+def test_env_line_names_the_cpu_generation_and_kernels_where_recorded() -> None:
+    env = {"cpu_model": "AMD EPYC", "cpu_family_model": "25/17", "cpu_capability": "AVX512", "torch_threads": 2}
+    assert "CPU AMD EPYC (family/model 25/17, AVX512 kernels)" in results.env_line({"env": env})
+    assert "CPU AMD EPYC · 2 threads" in results.env_line({"env": {"cpu_model": "AMD EPYC", "torch_threads": 2}})
+
+
 def test_bench_results_table_from_sample_json() -> None:
     data = _sample()
     md = results.render_bench_results(REPO, SAMPLE, "stages/02-kv-cache.md")

@@ -209,7 +209,9 @@ def env_line(data: dict) -> str:
         bits.append(f"device {dev}")
     cpu = _first(env, "cpu", "cpu_model", "processor")
     if cpu:
-        bits.append(f"CPU {cpu}")
+        family, kernels = _first(env, "cpu_family_model"), _first(env, "cpu_capability")
+        detail = ", ".join(x for x in (family and f"family/model {family}", kernels and f"{kernels} kernels") if x)
+        bits.append(f"CPU {cpu}" + (f" ({detail})" if detail else ""))
     threads = _first(env, "threads", "torch_threads", "num_threads")
     if threads:
         bits.append(f"{threads} threads")
