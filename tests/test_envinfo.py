@@ -77,3 +77,19 @@ def test_the_repository_wins_over_the_variable(repo, monkeypatch) -> None:
     monkeypatch.setenv("STAGEWISE_GIT_COMMIT", "b" * 40)
     monkeypatch.setenv("STAGEWISE_GIT_DIRTY", "0")
     assert envinfo.git_info()["git_commit"] != "b" * 40
+
+
+def test_env_names_the_cpu_kernels_and_reads_family_and_flags_from_cpuinfo(tmp_path, monkeypatch) -> None:
+    """"AMD EPYC" covers several generations; bf16 rounding and speed follow the kernels (test_bf16)."""
+    import torch
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+                       "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    real_path = envinfo.Path
+    monkeypatch.setattr(envinfo, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    fields = envinfo.cpu_features()
+    assert fields == {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_family_model": "25/17",
+                      "cpu_flags": ["avx2", "avx512f", "avx512_bf16"]}
+    monkeypatch.setattr(envinfo, "Path", lambda p: tmp_path / "missing")
+    assert envinfo.cpu_features() == {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
