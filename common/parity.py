@@ -65,13 +65,19 @@ def first_difference(ours: list[int], ref: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def reference_margin(hf_model: Any, prompt: list[int], ref: list[int], at: int) -> float | None:
-    """transformers' best logit minus its second best before reference token `at`."""
+def reference_top2(hf_model: Any, prompt: list[int], ref: list[int], at: int) -> tuple[float, float] | None:
+    """transformers' best and second-best logits before reference token `at`."""
     if at >= len(ref):
         return None  # we generated past the reference's EOS: nothing to compare there
     ids = torch.tensor([prompt + ref[:at]], dtype=torch.long, device=hf_model.device)
-    top2 = hf_model(ids).logits[0, -1].float().topk(2).values
-    return float(top2[0] - top2[1])
+    best, second = hf_model(ids).logits[0, -1].float().topk(2).values.tolist()
+    return best, second
+
+
+def reference_margin(hf_model: Any, prompt: list[int], ref: list[int], at: int) -> float | None:
+    """transformers' best logit minus its second best before reference token `at`."""
+    top2 = reference_top2(hf_model, prompt, ref, at)
+    return None if top2 is None else top2[0] - top2[1]
 
 
 def compare(outputs: list[list[int]], reference: list[list[int]], prompts: list[list[int]], hf_model: Any) -> dict:

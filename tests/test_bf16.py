@@ -26,7 +26,7 @@ import random
 import pytest
 import torch
 
-from common.parity import first_difference
+from common.parity import first_difference, reference_top2
 from common.requests import Request, SamplingParams
 from conftest import STAGE_DIRS, run_hf_greedy, stage_module, streaming_packages
 
@@ -58,7 +58,6 @@ def bf16_steps(margin: float, top: float) -> float:
     return margin / 2.0 ** (math.floor(math.log2(abs(top))) - 7)
 
 
-@torch.inference_mode()
 def _not_ties(outputs: list[list[int]], prompts: list[list[int]], reference: list[list[int]], hf) -> list[dict]:
     """The rows whose first difference from the reference is more than rounding: [] when all agree up to ties."""
     bad = []
@@ -69,8 +68,8 @@ def _not_ties(outputs: list[list[int]], prompts: list[list[int]], reference: lis
         if at >= len(ref) or at >= len(out):  # one stopped (EOS) where the other went on: that is a token too
             bad.append({"row": i, "at": at, "why": "lengths differ"})
             continue
-        top2 = hf(torch.tensor([prompts[i] + ref[:at]])).logits[0, -1].float().topk(2).values
-        steps = bf16_steps(float(top2[0] - top2[1]), float(top2[0]))
+        best, second = reference_top2(hf, prompts[i], ref, at)
+        steps = bf16_steps(best - second, best)
         if steps > MAX_TIE_STEPS:
             bad.append({"row": i, "at": at, "ours": out[at], "reference": ref[at], "bf16_steps": steps})
     return bad
