@@ -50,33 +50,32 @@ def git_info() -> dict:
 GIT_AT_START = git_info()
 
 
-def cpu_model() -> str:
+def cpuinfo() -> dict[str, str]:
+    """The first processor's entries in /proc/cpuinfo, keys lower-cased (empty where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    return {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in block.splitlines() if ":" in line)}
+
+
+def cpu_model(info: dict[str, str]) -> str:
+    return info.get("model name") or platform.processor() or platform.machine()
 
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
-def cpu_features() -> dict:
+def cpu_features(info: dict[str, str]) -> dict:
     """What a CPU's name leaves out ("AMD EPYC" covers several generations): its family and model,
     the vector and matrix extensions kernels choose by, and which of ATen's kernel sets runs.
     Results from two sets differ in speed, and in bf16 in rounding too (tests/test_bf16.py)."""
     fields: dict = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    try:
-        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
+    if not info:
         return fields
-    pairs = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    pairs = {k.strip(): v.strip() for k, v in pairs.items()}
-    if "cpu family" in pairs and "model" in pairs:
-        fields["cpu_family_model"] = f"{pairs['cpu family']}/{pairs['model']}"
-    flags = set(pairs.get("flags", "").split())
+    if "cpu family" in info and "model" in info:
+        fields["cpu_family_model"] = f"{info['cpu family']}/{info['model']}"
+    flags = set(info.get("flags", "").split())
     fields["cpu_flags"] = [f for f in CPU_FLAGS if f in flags]
     return fields
 
@@ -105,6 +104,7 @@ def collect_env(device: str | torch.device | None = None) -> dict:
     The git fields are the code's state when the process started (what the run measured); if the
     checkout has moved since, `git_now` says where to and `code_changed_during_run` is True."""
     now = git_info()
+    info = cpuinfo()
     moved = {} if now == GIT_AT_START else {"git_now": now, "code_changed_during_run": True}
     return {
         **GIT_AT_START,
@@ -114,8 +114,8 @@ def collect_env(device: str | torch.device | None = None) -> dict:
         "transformers": _version("transformers"),
         "cuda": torch.version.cuda,
         "device_name": device_name(device),
-        "cpu_model": cpu_model(),
-        **cpu_features(),
+        "cpu_model": cpu_model(info),
+        **cpu_features(info),
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
