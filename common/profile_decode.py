@@ -102,6 +102,12 @@ def stage_engine(a: argparse.Namespace, knobs: dict) -> tuple[str, Any, Any]:
     return package, loaded, engine_class(loaded, **accepted(engine_class, knobs))
 
 
+def result_head(kind: str, package: str, loaded: Any, a: argparse.Namespace) -> dict:
+    """The fields a profile's result opens with: what ran, on which model, device and dtype, and its flags."""
+    return {"kind": kind, "stage": package.rsplit(".", 1)[-1], "model": loaded.name, "device": str(loaded.device),
+            "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a)}
+
+
 def by_group(ops: list[dict], key: str = "ms_per_step") -> dict[str, float]:
     """The op rows' `key` summed per group (matmul, attention, kv_cache, other)."""
     return {g: sum(r[key] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
@@ -204,8 +210,7 @@ def measure(a: argparse.Namespace) -> dict:
     if cuda:  # how much of a step the GPU computes; the rest is launching, Python and waiting
         kernel["kernel_share_of_step"] = kernel["kernel_ms_per_step"] / step_ms if step_ms else None
     return {
-        "kind": "profile-decode", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
-        "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
+        **result_head("profile-decode", package, loaded, a),
         "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps,
         "matmuls_per_step": len(decode_matmuls(loaded.model)),
         "decode_step_ms": step_ms, "step_samples_ms": [round(t, 3) for t in times],

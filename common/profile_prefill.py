@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.profile_decode import group_fields, kernel_fields, op_table, report_lines, stage_engine
+from common.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,8 +138,7 @@ def measure(a: argparse.Namespace) -> dict:
     flops = projection_flops(loaded.model, a.prompt_len)
     attn_flops = attention_flops(loaded.config, a.prompt_len)
     return {
-        "kind": "profile-prefill", "stage": package.rsplit(".", 1)[-1], "model": loaded.name,
-        "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
+        **result_head("profile-prefill", package, loaded, a),
         "prompt_len": a.prompt_len, "prefill_ms": prefill_ms, "prefill_samples_ms": [round(t, 3) for t in times],
         "floor_ms": floor_ms, "floor_samples_ms": [round(f, 3) for f in floors],
         "x_floor": prefill_ms / floor_ms if floor_ms else None,
