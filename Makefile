@@ -53,7 +53,7 @@ docs-check: $(STAMP)
 	$(PY) scripts/docs_check.py
 
 # Every committed result under docs/results/ measured again from this (clean) commit, one command
-# at a time: about three hours on a 2-core CPU. RESULTS_ARGS="--list" shows the commands.
+# at a time: two to three hours on a 2-core CPU. RESULTS_ARGS="--list" shows the commands.
 RESULTS_ARGS ?=
 results: $(STAMP)
 	$(PY) scripts/rerun_results.py $(RESULTS_ARGS)

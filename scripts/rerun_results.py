@@ -18,7 +18,7 @@ the commit it compares.
 Each command runs in a fresh Python started here (`python -m common.cli ...`, `python -m
 stages...`), so the code measured is this checkout's, not that of whatever checkout a `stagewise`
 script on the PATH was installed from. Run nothing else meanwhile: on a small machine another
-program's CPU is this run's noise. On the 2-core CPU the whole set takes about three hours
+program's CPU is this run's noise. On a 2-core CPU the whole set takes two to three hours
 (the three ladders recorded with --rounds 3 take about twice their one-round time); it can be
 split over sittings at one commit: `--only`/`--skip` now, `--resume` later in a checkout of that
 commit holding the files written so far (files under docs/results/ do not make a checkout dirty).
