@@ -80,6 +80,19 @@ def cpu_features(info: dict[str, str]) -> dict:
     return fields
 
 
+# Environment variables that change how fast the same code runs on the same machine: thread counts
+# and pinning (OpenMP, MKL, oneDNN), glibc malloc's thresholds, PyTorch's huge-page allocations,
+# a preloaded allocator. A result measured with one of them set is not comparable to one without.
+SPEED_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "DNNL_", "ONEDNN_", "MALLOC_", "THP_MEM_ALLOC_ENABLE",
+                      "LD_PRELOAD", "PYTORCH_", "CUDA_VISIBLE_DEVICES")
+
+
+def speed_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of SPEED_ENV_PREFIXES set in this process, by name (empty: none was set)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k.startswith(SPEED_ENV_PREFIXES)}
+
+
 def device_name(device: str | torch.device | None = None) -> str:
     """The accelerator's marketing name, or "cpu"."""
     dev = torch.device(device) if device not in (None, "auto") else None
@@ -118,6 +131,7 @@ def collect_env(device: str | torch.device | None = None) -> dict:
         **cpu_features(info),
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "speed_env": speed_env(),
         "platform": platform.platform(),
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -96,3 +96,15 @@ def test_env_names_the_cpu_kernels_and_reads_family_and_flags_from_cpuinfo(tmp_p
     monkeypatch.setattr(envinfo, "Path", lambda p: tmp_path / "missing")
     assert envinfo.cpuinfo() == {}
     assert envinfo.cpu_features({}) == {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def test_env_records_the_variables_that_change_speed(monkeypatch) -> None:
+    """A run with THP_MEM_ALLOC_ENABLE=1 or OMP_NUM_THREADS=1 is another experiment: its JSON must say so."""
+    environ = {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1", "MALLOC_TRIM_THRESHOLD_": "0",
+               "HOME": "/root", "PATH": "/usr/bin", "THP_OTHER": "x"}
+    assert envinfo.speed_env(environ) == {"MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
+                                          "THP_MEM_ALLOC_ENABLE": "1"}
+    for name in [k for k in __import__("os").environ if k.startswith(envinfo.SPEED_ENV_PREFIXES)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert envinfo.collect_env()["speed_env"] == {"THP_MEM_ALLOC_ENABLE": "1"}
