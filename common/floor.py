@@ -76,6 +76,35 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     return float(statistics.median(times))
 
 
+def kv_bytes_per_step(config: Any, batch: int, context: float, element_size: int) -> int:
+    """Bytes of K and V a decode step must read at the least: `context` cached tokens for each of
+    `batch` rows, in every layer, read once. Paged engines read more (whole blocks, padded to the
+    longest row, and the copy they gather into); this counts only what attention needs."""
+    return int(2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * element_size)
+
+
+@torch.inference_mode()
+def read_floor_ms(nbytes: int, dtype: torch.dtype, device: torch.device, *, repeats: int = 20) -> float:
+    """Median time (ms) to read `nbytes` once, at the speed this machine streams memory: a sum over
+    a buffer of that size, on the same threads the engine uses. At decode sizes the buffer is larger
+    than the caches (a step's K/V for 16 rows of ~200 SmolLM2 tokens: ~130 MB), so it comes from
+    memory, as the K/V of 30 layers do; for a tiny model it stays in cache and the figure is cache speed."""
+    if nbytes < 1 or repeats < 1:
+        raise ValueError("nbytes and repeats: must be >= 1")
+    element = torch.empty((), dtype=dtype).element_size()
+    buf = torch.ones(max(1, nbytes // element), dtype=dtype, device=device)
+    for _ in range(2):
+        buf.sum()
+    _sync(device)
+    times: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return float(statistics.median(times))
+
+
 class FloorSampler:
     """Samples the floor after every timed run, so that it sees the machine the runs saw.
 

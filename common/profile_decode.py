@@ -19,6 +19,10 @@ torch.profiler in a second run of the same batch, and every op's own time goes i
 
 The floor's own matmuls are profiled the same way, so `matmul_vs_floor` compares the same ops
 under the same profiler: above 1, the model's matmuls run slower inside a step than alone.
+The matmul floor leaves out the K/V, which a step must read too: `kv_read_floor_ms` is the time
+to read those bytes once (every row's cached tokens, every layer; `kv_bytes_per_step`) at the
+speed this machine streams memory, measured in the same process (common/floor.py), and
+`attention_vs_kv_read_floor` compares the attention and kv_cache groups with it.
 The groups are shares of the profiled step (the profiler adds a few microseconds per op, and
 Python between ops shows in no op); `decode_step_ms` is the unprofiled median.
 
@@ -177,7 +181,7 @@ class DecodeWindow:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.floor import decode_matmuls, matmul_floor_ms
+    from common.floor import decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms
     from common.requests import Request, SamplingParams
     from common.workloads import model_token_range, random_token_ids
 
@@ -205,6 +209,11 @@ def measure(a: argparse.Namespace) -> dict:
     floor_mm = sum(r["ms_per_step"] for r in op_table(floor_prof, a.steps + 2) if r["group"] == "matmul")  # warm-up + repeats
     fields = group_fields(ops)
     profiled_ms, groups = fields["profiled_ms"], fields["groups_ms_profiled"]
+    # Decode step n (from 0) attends over prompt_len + n + 1 tokens; the mean over the timed window:
+    context = a.prompt_len + DecodeWindow.SKIP + (a.steps - 1) / 2 + 1
+    kv_bytes = kv_bytes_per_step(loaded.config, a.batch, context, loaded.model.lm_head_weight.element_size())
+    kv_floor = read_floor_ms(kv_bytes, loaded.dtype, loaded.device)
+    kv_ms = groups["attention"] + groups["kv_cache"]
     step_ms, floor_ms = statistics.median(times), statistics.median(floors)
     kernel = kernel_fields(ops) if cuda else {}
     if cuda:  # how much of a step the GPU computes; the rest is launching, Python and waiting
@@ -220,6 +229,8 @@ def measure(a: argparse.Namespace) -> dict:
         "groups_ms_profiled": groups, "groups_share": fields["groups_share"],
         "floor_matmul_ms_profiled": floor_mm,
         "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm else None,
+        "kv_context_tokens": context, "kv_bytes_per_step": kv_bytes, "kv_read_floor_ms": kv_floor,
+        "attention_vs_kv_read_floor": kv_ms / kv_floor if kv_floor else None,
         **kernel,
         "ops": ops[:max(a.top, 40)],
     }
@@ -233,6 +244,12 @@ def format_profile(r: dict, top: int) -> str:
              f"Matmuls in the step vs the same matmuls alone (both profiled): "
              f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
              f"= {r['matmul_vs_floor']:.2f}x"]
+    if "kv_read_floor_ms" in r:
+        kv_ms = r["groups_ms_profiled"]["attention"] + r["groups_ms_profiled"]["kv_cache"]
+        lines.append(f"K/V a step must read: {r['kv_bytes_per_step'] / 2**20:.2f} MiB ({r['batch']} rows x "
+                     f"{r['kv_context_tokens']:.0f} tokens, every layer), {r['kv_read_floor_ms']:.3f} ms at this "
+                     f"machine's memory speed; attention and KV cache ops took {kv_ms:.2f} ms "
+                     f"= {r['attention_vs_kv_read_floor']:.2f}x that")
     if "kernel_ms_per_step" in r:  # a CUDA profile
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "

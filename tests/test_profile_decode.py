@@ -27,6 +27,10 @@ def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     if stage != "2":  # the paged stages gather their blocks
         assert r["groups_ms_profiled"]["kv_cache"] > 0
     assert r["env"]["git_commit"] and r["stage"].startswith(f"s{int(stage):02d}_")
+    # The K/V the window's steps read: prompt + the 4 skipped steps + the middle of 4 timed ones + the new token.
+    assert r["kv_context_tokens"] == pytest.approx(9 + 4 + 1.5 + 1) and r["kv_read_floor_ms"] > 0
+    kv_ms = r["groups_ms_profiled"]["attention"] + r["groups_ms_profiled"]["kv_cache"]
+    assert r["attention_vs_kv_read_floor"] == pytest.approx(kv_ms / r["kv_read_floor_ms"])
 
 
 def test_profile_decode_finds_the_full_batch_under_chunked_prefill(tmp_path: Path) -> None:
@@ -63,3 +67,19 @@ def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
     assert [(r["op"], r["ms_per_step"], r["kernel_ms_per_step"], r["calls_per_step"]) for r in rows] == [
         ("aten::mm", 0.2, 1.5, 4.0), ("aten::add", 0.1, 0.05, 2.0)]
     assert all("kernel_ms_per_step" not in r for r in profile_decode.op_table(Prof(), steps=2))
+
+
+def test_kv_bytes_and_the_read_floor() -> None:
+    """SmolLM2's shapes (30 layers, 3 KV heads of 64): 16 rows of 180 tokens in fp32 are ~133 MB a step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.floor import kv_bytes_per_step, read_floor_ms
+
+    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    assert kv_bytes_per_step(smollm2, 16, 180, 4) == 2 * 30 * 16 * 180 * 3 * 64 * 4 == 132_710_400
+    assert kv_bytes_per_step(smollm2, 16, 180, 2) * 2 == kv_bytes_per_step(smollm2, 16, 180, 4)
+    assert read_floor_ms(1 << 16, torch.float32, torch.device("cpu"), repeats=3) > 0
+    with pytest.raises(ValueError, match="nbytes"):
+        read_floor_ms(0, torch.float32, torch.device("cpu"))
