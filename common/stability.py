@@ -5,7 +5,9 @@ glibc malloc thresholds and page faults depend on the process's history, and one
 alone in five fresh processes gave 64 to 144 completion tok/s. A number is only worth
 committing when separate processes agree on it, so this runs `stagewise bench --stage N ...`
 N times, each a fresh process, and prints each process's completion tok/s, decode step and
-`x floor`, their median and the largest deviation from it.
+`x floor`, their median and the largest deviation from it. With `--repeat-runs N` it also says how
+far each process's own runs stray from that process's median: the machine's minutes move the
+runs inside a process too, a process's own state does not.
 
     stagewise stability --stage 9 --processes 5 --model tiny --num-requests 8 --json /tmp/stab.json
 """
@@ -58,6 +60,21 @@ def deviation(values: list[float]) -> dict[str, float]:
     return {"median": med, "min": min(values), "max": max(values), "max_deviation_pct": worst}
 
 
+def within_processes(results: list[dict]) -> dict | None:
+    """With several timed runs per process (`--repeat-runs N`): how far each process's runs stray
+    from that process's own median completion tok/s. Runs inside one process that spread as far
+    as the processes do point at the machine's minutes; runs that agree while processes do not
+    point at each process's own state (allocator, memory placement). None with one run each."""
+    per_process = []
+    for r in results:
+        values = [v for run in r.get("runs") or [] if (v := _get(run, ("throughput_tok_s", "completion"))) is not None]
+        if len(values) < 2:
+            return None
+        per_process.append(deviation(values)["max_deviation_pct"])
+    return {"runs_per_process": min(len(r["runs"]) for r in results),
+            "max_deviation_pct_per_process": per_process, "max_deviation_pct": max(per_process)}
+
+
 def run_one(stage: str, bench_argv: list[str], index: int, out: Path) -> dict:
     """One `stagewise bench` in a fresh process; its report is kept quiet, its stderr is not."""
     cmd = [sys.executable, "-m", "common.cli", "bench", "--stage", stage, *bench_argv, "--json", str(out)]
@@ -84,6 +101,11 @@ def format_table(data: dict) -> str:
         if s:
             lines.append(f"{label}: median {fmt.format(s['median']).strip()}, range {fmt.format(s['min']).strip()}"
                          f"-{fmt.format(s['max']).strip()}, max deviation from the median {s['max_deviation_pct']:.1f}%")
+    inside = data["summary"].get("within_process")
+    if inside:
+        lines.append(f"compl tok/s inside each process ({inside['runs_per_process']} timed runs): max deviation "
+                     f"from that process's median {inside['max_deviation_pct']:.1f}% (per process: "
+                     + ", ".join(f"{v:.1f}%" for v in inside["max_deviation_pct_per_process"]) + ")")
     return "\n".join(lines)
 
 
@@ -112,6 +134,8 @@ def run_stability(argv: list[str]) -> dict:
         values = [r[label] for r in rows if r[label] is not None]
         if values:
             summary[label] = deviation(values)
+    if (inside := within_processes(results)) is not None:
+        summary["within_process"] = inside
     first = results[0]
     data = {"command": "stagewise stability " + shlex.join(argv), "stage": short_name(package),
             "model": first.get("model"), "device": first.get("device"), "dtype": first.get("dtype"),

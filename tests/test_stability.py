@@ -7,6 +7,7 @@ round trip is tested in test_engine_worker.py). No timing is asserted.
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -42,3 +43,21 @@ def test_stability_runs_n_processes_and_writes_json(monkeypatch, tmp_path, capsy
     text = capsys.readouterr().out
     assert "=== stability: s09_batched_worker_lookups, 3 fresh processes ===" in text
     assert "max deviation from the median 10.0%" in text and "x floor" in text
+
+
+def test_runs_inside_each_process_are_summarised_too(monkeypatch, tmp_path, capsys) -> None:
+    """--repeat-runs 3: the spread of each process's own runs, beside the spread between processes."""
+    runs = [[100.0, 80.0, 100.0], [110.0, 110.0, 110.0]]
+
+    def fake_run_one(stage: str, bench_argv: list[str], index: int, out) -> dict:
+        return {"model": "tiny", "device": "cpu", "dtype": "float32", "config": {}, "env": {},
+                "throughput_tok_s": {"completion": statistics.median(runs[index])},
+                "runs": [{"throughput_tok_s": {"completion": v}} for v in runs[index]], "process": {"pid": index}}
+
+    monkeypatch.setattr(stability, "run_one", fake_run_one)
+    out = tmp_path / "stab.json"
+    assert cli.main(["stability", "--stage", "9", "--processes", "2", "--repeat-runs", "3", "--json", str(out)]) == 0
+    inside = json.loads(out.read_text())["summary"]["within_process"]
+    assert inside == {"runs_per_process": 3, "max_deviation_pct_per_process": [20.0, 0.0], "max_deviation_pct": 20.0}
+    assert "inside each process (3 timed runs): max deviation from that process's median 20.0%" in capsys.readouterr().out
+    assert stability.within_processes([{"runs": [{"throughput_tok_s": {"completion": 1.0}}]}]) is None
