@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -63,6 +63,13 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
         for x, (w, b, packed) in zip(inputs, mats):
             linear(x, w, b, packed)
 
+    return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
+
+
+def _median_ms(step: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
+               min_time_s: float = 0.0) -> float:
+    """Median wall time (ms) of `step()` after `warmup` untimed calls: at least `repeats` timed
+    calls, more until `min_time_s` has passed (at most 100x `repeats`); each waits for the device."""
     for _ in range(warmup):
         step()
     _sync(device)
@@ -93,16 +100,7 @@ def read_floor_ms(nbytes: int, dtype: torch.dtype, device: torch.device, *, repe
         raise ValueError("nbytes and repeats: must be >= 1")
     element = torch.empty((), dtype=dtype).element_size()
     buf = torch.ones(max(1, nbytes // element), dtype=dtype, device=device)
-    for _ in range(2):
-        buf.sum()
-    _sync(device)
-    times: list[float] = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return float(statistics.median(times))
+    return _median_ms(buf.sum, device, warmup=2, repeats=repeats)
 
 
 class FloorSampler:

@@ -65,13 +65,14 @@ def within_processes(results: list[dict]) -> dict | None:
     from that process's own median completion tok/s. Runs inside one process that spread as far
     as the processes do point at the machine's minutes; runs that agree while processes do not
     point at each process's own state (allocator, memory placement). None with one run each."""
-    per_process = []
+    per_process, runs = [], []
     for r in results:
         values = [v for run in r.get("runs") or [] if (v := _get(run, ("throughput_tok_s", "completion"))) is not None]
         if len(values) < 2:
             return None
         per_process.append(deviation(values)["max_deviation_pct"])
-    return {"runs_per_process": min(len(r["runs"]) for r in results),
+        runs.append(len(values))
+    return {"runs_per_process": min(runs),
             "max_deviation_pct_per_process": per_process, "max_deviation_pct": max(per_process)}
 
 

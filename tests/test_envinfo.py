@@ -5,6 +5,7 @@ runs after the first must still say they measured the clean commit.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -104,7 +105,7 @@ def test_env_records_the_variables_that_change_speed(monkeypatch) -> None:
                "HOME": "/root", "PATH": "/usr/bin", "THP_OTHER": "x"}
     assert envinfo.speed_env(environ) == {"MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
                                           "THP_MEM_ALLOC_ENABLE": "1"}
-    for name in [k for k in __import__("os").environ if k.startswith(envinfo.SPEED_ENV_PREFIXES)]:
+    for name in [k for k in os.environ if k.startswith(envinfo.SPEED_ENV_PREFIXES)]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
     assert envinfo.collect_env()["speed_env"] == {"THP_MEM_ALLOC_ENABLE": "1"}
