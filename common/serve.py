@@ -4,7 +4,8 @@
 
 FastAPI + uvicorn (the stack vLLM and SGLang use) in front of the stage's `SchedulerManager`:
 the event loop only parses, validates and writes bytes; the manager's worker thread runs the
-model, as it does in-process. The worker's put on a request's queue wakes the event loop (a
+model, as it does in-process. By default the manager runs in a process of its own and the
+server holds an `EngineProcess` that hands out the same handles (common/engine_process.py). The worker's put on a request's queue wakes the event loop (a
 listener on the handle), which drains it without blocking: no thread per request, and a slow
 client never stalls the worker (its chunks wait in its queue).
 A dropped client cancels its request (its KV blocks go back to the pool); SIGINT/SIGTERM end
@@ -18,6 +19,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator
 
@@ -26,6 +28,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.engine_process import kv_blocks
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
 
@@ -93,11 +96,15 @@ class ServeState:
     def wait_closed(self, timeout: float) -> bool:
         return self._closed.wait(timeout)
 
-    def kv_blocks(self) -> dict | None:
-        pool = getattr(self.manager.engine, "pool", None)
-        if pool is None:
-            return None
-        return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
+    def kv_blocks(self) -> "Future[dict | None]":
+        """The KV pool's free and total blocks, asked of the engine wherever it runs (a Future:
+        an engine in its own process answers over its pipe, and the event loop must not wait)."""
+        call = getattr(self.manager, "call", None)  # EngineProcess
+        if call is not None:
+            return call(kv_blocks)
+        done: Future[dict | None] = Future()
+        done.set_result(kv_blocks(self.manager))
+        return done
 
 
 def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
@@ -314,7 +321,8 @@ def build_app(state: ServeState) -> FastAPI:
     async def health() -> Response:
         if state.shutting_down:
             raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
-        return _json({"status": "ok", "stage": state.stage, "model": state.model_name, "kv_blocks": state.kv_blocks()})
+        kv = await asyncio.wrap_future(state.kv_blocks())
+        return _json({"status": "ok", "stage": state.stage, "model": state.model_name, "kv_blocks": kv})
 
     @app.get("/v1/models")
     async def models() -> Response:

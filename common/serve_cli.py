@@ -4,8 +4,8 @@ that shuts down gracefully.
     stagewise serve --stage 9 --model smollm2-135m --host 127.0.0.1 --port 8000
 
 Apart from common/serve.py (the HTTP side) because `stagewise serve-overhead` and the tests build
-the same server around a manager of their own: they take `make_server`, `build_manager` and
-`add_serve_args` from here and never go through `main`.
+the same server around a manager of their own: they take `make_server`, `start_engine` (or
+`build_manager`) and `add_serve_args` from here and never go through `main`.
 """
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     return manager, registry.short_name(package)
 
 
+def start_engine(args: argparse.Namespace) -> tuple[Any, str]:
+    """The manager the server talks to: in a process of its own (`--engine-process`, the default)
+    or built here. Both hand out the same RequestHandles, so the server cannot tell them apart."""
+    if args.engine_process:
+        from common.engine_process import EngineProcess
+        engine = EngineProcess(args)
+        return engine, engine.engine.stage
+    return build_manager(args)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
     from common.bench_flags import add_engine_knob_args
@@ -77,6 +87,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
     add_engine_knob_args(g)
     add_manager_args(g)
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so HTTP's Python never waits for the "
+                        "worker's GIL (common/engine_process.py); --no-engine-process keeps it in this one")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
@@ -85,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(p)
     args = p.parse_args(argv)
     sock = bind_socket(args.host, args.port)  # before loading: a taken port fails in a second, not a minute
-    manager, stage = build_manager(args)
+    manager, stage = start_engine(args)
     state = ServeState(manager, args.served_model_name or args.model, stage)
     server = make_server(state, sock, args.log_level)
     # Everything loaded so far (model, tokenizer, FastAPI) lives as long as the server: freeze it

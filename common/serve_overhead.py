@@ -2,16 +2,18 @@
 
     stagewise serve-overhead --stage 9 --model smollm2-135m --json docs/results/serve.cpu.json
 
-One process holds the stage's engine and SchedulerManager and serves it over HTTP (the server
-`stagewise serve` runs, in a thread). `bench-serve` runs in a second process as the HTTP client.
-The two sides take turns on the SAME manager: a run in-process (`add_request` from this
-process, a consumer thread per request), then a run over HTTP, then the other order, and so
-on. Why paired: this machine's speed drifts by 20 % and more from minute to minute, a burst's
-TTFT is most of a second of prefill, and the target is 5 ms; two runs seconds apart on one
-engine see the same machine, so their difference is HTTP's, and the median over pairs is the
-figure. The JSON keeps both sides whole, every pair, and the env of the run. Each HTTP run also
-records the CPU time of the server's thread, uvicorn's event loop, where all of HTTP's work is
-done (`loop_cpu_us_per_request`): a cost that swings far less with the machine than a TTFT.
+This process serves the stage's engine over HTTP (the server `stagewise serve` runs, in a
+thread); the engine and its SchedulerManager run in a process of their own, as `stagewise serve`
+runs them (`--no-engine-process`: in this one). `bench-serve` runs in another process as the HTTP
+client. The two sides take turns on the SAME manager: a run in-process (`add_request` from a
+thread of the manager's own process, a consumer thread per request), then a run over HTTP, then
+the other order, and so on. Why paired: this machine's speed drifts by 20 % and more from
+minute to minute, a burst's TTFT is most of a second of prefill, and the target is 5 ms; two runs
+seconds apart on one engine see the same machine, so their difference is HTTP's, and the median
+over pairs is the figure. The JSON keeps both sides whole, every pair, and the env of the run. Each HTTP run also
+records the CPU time of HTTP's work (`loop_cpu_us_per_request`): uvicorn's event loop, and with
+the engine in its own process the reader that takes its tokens: a cost that swings far less with
+the machine than a TTFT.
 """
 from __future__ import annotations
 
@@ -56,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-quiet-ms", type=float, default=50.0)
     p.add_argument("--warmup-runs", type=int, default=1, help="per side")
     p.add_argument("--repeat-runs", type=int, default=3, help="pairs of runs (one per side)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine in its own process, as `stagewise serve` runs it (the in-process "
+                        "side then runs in that process too)")
     p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     return p
@@ -75,17 +80,33 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     return flags + (["--dtype", a.dtype] if a.dtype else [])
 
 
+def record_token_timestamps(manager: Any) -> None:
+    """TPOT, ITL and latency of the in-process runs (HTTP's come from its client)."""
+    manager.record_token_timestamps = True
+
+
+def run_in_process(manager: Any, requests: list, timeout_s: float) -> dict:
+    """One in-process run where the manager lives: `add_request` from a thread of its process,
+    a consumer thread per request (with --engine-process, this runs in the engine's process)."""
+    from common.streaming_bench import run_streaming_once
+    summary, completions = run_streaming_once(manager, requests, timeout_s=timeout_s)
+    return {**summary, "intake_span_ms": intake_span_ms(completions)}
+
+
 class Server:
-    """The stage's manager behind `stagewise serve`'s app, in a thread of this process."""
+    """`stagewise serve`'s app in a thread of this process, over the stage's manager: in the
+    engine's own process (`--engine-process`, as `stagewise serve` runs) or in this one."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         from common import serve, serve_cli
         from common.http_transport import bind_socket
         p = argparse.ArgumentParser()
         serve_cli.add_serve_args(p)
-        args = p.parse_args(["--stage", a.stage, "--model", a.model, *_engine_flags(a)])
-        self.manager, self.stage = serve_cli.build_manager(args)
-        self.manager.record_token_timestamps = True  # TPOT, ITL, latency of the in-process runs (HTTP's come from its client)
+        split = [] if a.engine_process else ["--no-engine-process"]
+        args = p.parse_args(["--stage", a.stage, "--model", a.model, *_engine_flags(a), *split])
+        self.manager, self.stage = serve_cli.start_engine(args)
+        self.engine_process = bool(a.engine_process)
+        self.call(record_token_timestamps)
         self.handles: list[Any] = []  # every request the manager took since the last take_completions()
         add_request = self.manager.add_request
 
@@ -111,9 +132,16 @@ class Server:
         assert self.thread.ident is not None
         self._loop_clock = time.pthread_getcpuclockid(self.thread.ident)
 
+    def call(self, fn: Any, *args: Any) -> Any:
+        """fn(manager, *args) where the manager lives, and its result."""
+        if self.engine_process:
+            return self.manager.call(fn, *args).result()
+        return fn(self.manager, *args)
+
     def loop_cpu_s(self) -> float:
-        """CPU seconds the server's thread (uvicorn's event loop: all of HTTP's work) has used."""
-        return time.clock_gettime(self._loop_clock)
+        """CPU seconds of all of HTTP's work: the server's thread (uvicorn's event loop), and with
+        the engine in its own process this whole process (the loop and the engine's reader)."""
+        return time.process_time() if self.engine_process else time.clock_gettime(self._loop_clock)
 
     def take_completions(self, timeout_s: float) -> list[Any]:
         """The server-side Completions (engine timings included) of the requests since the last call."""
@@ -225,7 +253,6 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
     """Warm both sides, then `repeat_runs` pairs, alternating which side goes first."""
     from common import bench_flags
     from common.metrics import median_summary, summarize
-    from common.streaming_bench import run_streaming_once
 
     server = Server(a)
     try:
@@ -234,8 +261,9 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
         client = StepClient(a, server.url, tmp / "http.json")
 
         def local_run() -> dict:
-            summary = run_streaming_once(server.manager, requests, timeout_s=a.timeout_s)[0]
-            return {**summary, "intake_span_ms": intake_span_ms(server.take_completions(a.timeout_s))}
+            result = server.call(run_in_process, requests, a.timeout_s)
+            server.handles.clear()  # HTTP's runs read the server's handles; these were in-process
+            return result
 
         def http_run() -> dict:
             cpu0 = server.loop_cpu_s()
@@ -268,8 +296,9 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
     pairs = [pair(h, e, l, f) for h, e, l, f in zip(http["runs"], http_engine, local_runs, order)]
     local = {"engine": "in-process", "mode": "streaming", **median_summary(local_runs), "runs": local_runs}
     engine = server.manager.engine
-    meta = {"stage": server.stage, "model": a.model, "device": str(engine.device),
-            "dtype": str(engine.model.lm_head_weight.dtype).replace("torch.", "")}
+    dtype = engine.dtype if server.engine_process else str(engine.model.lm_head_weight.dtype).replace("torch.", "")
+    meta = {"stage": server.stage, "model": a.model, "device": str(engine.device), "dtype": dtype,
+            "engine_process": server.engine_process}
     return {**http, "engine": "http"}, local, pairs, meta
 
 

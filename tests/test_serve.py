@@ -58,7 +58,7 @@ class LiveServer:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def blocks_in_use(self) -> int:
-        kv = self.state.kv_blocks()
+        kv = self.state.kv_blocks().result(10)
         return kv["total"] - kv["free"]
 
     def stop(self) -> None:

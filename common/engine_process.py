@@ -1,0 +1,298 @@
+"""The engine in its own process, behind a stand-in for its SchedulerManager (`stagewise serve`'s default).
+
+Why: in one process the server's event loop and the manager's worker thread share one GIL. The
+worker holds it through the Python between its operators and gives it up when Python's switch
+interval (5 ms) says so, so the loop gets a token the worker has just sampled some 6 ms later
+(measured with per-request stamps on the 2-core CPU); and every token the loop writes to a
+client is Python run while the worker waits for the GIL. Two processes have two GILs: the
+worker's Python never waits for HTTP's, and the loop is woken by the OS when the engine's bytes
+arrive. vLLM splits its server the same way (`AsyncLLM` in the API server, `EngineCore` in a
+background process, ZMQ between them).
+
+    parent (the server)                          child (the engine)
+    EngineProcess.add_request ──("add")────────▶ main thread: manager.add_request
+    RequestHandle ◀── reader thread ◀──("out")── worker thread: each handle's listener sends
+                                                 its chunks as they are flushed
+    EngineProcess.call(fn, ...) ──("call")─────▶ fn(manager, ...) ──("reply")──▶ a Future
+
+The parent hands out the same `RequestHandle`s a SchedulerManager does (common/streams.py),
+filled by its reader thread, so the server code is the same over either. Detokenizing stays
+where it is, in the engine's worker. If the engine process dies, every open request ends with
+an error and new ones are refused: nothing is left hanging.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import signal
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from common.requests import SamplingParams
+from common.streams import ChunkQueue, Done, Failed, RequestHandle
+
+START_TIMEOUT_S = 900.0  # loading (a first run converts SmolLM2's GGUF) can take minutes
+
+
+@dataclass
+class EngineInfo:
+    """What the server reads of `manager.engine`, sent once by the engine process when it is ready."""
+
+    tokenizer: Any
+    max_model_len: int
+    device: str
+    dtype: str
+    stage: str
+
+
+def portable(exc: BaseException) -> BaseException:
+    """An error the parent can unpickle without importing a stage: its kind (bad input or not) and
+    message survive, which is all the server answers with (400 for ValueError, 500 otherwise)."""
+    if isinstance(exc, ValueError):
+        return ValueError(str(exc))
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class EngineProcess:
+    """A SchedulerManager in a child process, used like one: add_request, cancel, close, `engine`."""
+
+    def __init__(self, serve_args: argparse.Namespace, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start a fresh Python that builds the manager `stagewise serve` would from `serve_args`
+        (its parsed flags), and wait until it is ready. If it cannot start, SystemExit carries
+        its message, as the in-process path would."""
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or torch state
+        self._conn, child_conn = ctx.Pipe()
+        self._process = ctx.Process(target=_engine_main, args=(child_conn, serve_args),
+                                    name="stagewise-engine", daemon=True)
+        self._process.start()
+        child_conn.close()  # ours is closed: the child's end alone keeps the pipe open, so its death is EOF
+        if not self._conn.poll(start_timeout_s):
+            self._process.kill()
+            raise SystemExit(f"serve: the engine process did not start in {start_timeout_s:.0f} s")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise SystemExit(f"serve: the engine process exited with code {self._process.exitcode} while "
+                             "starting; its error is printed above") from None
+        if kind != "ready":
+            self._process.join(10)
+            raise SystemExit(payload)
+        self.engine: EngineInfo = payload
+        self.pid = self._process.pid
+        self._ids = itertools.count()
+        self._send_lock = threading.Lock()  # the loop, a closing thread and callers all send
+        self._lock = threading.Lock()  # guards _queues, _calls and _alive against the reader
+        self._queues: dict[int, ChunkQueue] = {}
+        self._calls: dict[int, Future] = {}
+        self._alive = True  # the reader has not seen the engine end
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="stagewise-engine-reader", daemon=True)
+        self._reader.start()
+
+    # ---- what a SchedulerManager offers ------------------------------------------------
+
+    def add_request(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                    params: SamplingParams | None = None, **sampling: Any) -> RequestHandle:
+        """Send a request to the engine and return its handle at once (errors arrive on it)."""
+        rid, out = next(self._ids), ChunkQueue()
+        handle = RequestHandle(self, rid, out)
+        with self._lock:
+            if self._closing or not self._alive:
+                raise RuntimeError("SchedulerManager is closed" if self._closing else "the engine process has ended")
+            self._queues[rid] = out
+        try:
+            params = params or SamplingParams(**sampling)
+        except Exception as exc:  # an unknown sampling keyword: this request's error, as in-process
+            self._end(rid, Failed(exc))
+            return handle
+        self._send(("add", rid, prompt, prompt_token_ids, params))
+        return handle
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request; its stream ends with finish_reason "cancelled" (sent by the engine)."""
+        self._send(("cancel", request_id))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+        """Run `fn(manager, *args)` in the engine process (fn must be importable there: a module's
+        top-level function); the Future gets its result or its error. For what only the engine can
+        see (its KV pool) and for benchmarks that must run beside it."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if not self._alive:
+                future.set_exception(RuntimeError("the engine process has ended"))
+                return future
+            call_id = next(self._ids)
+            self._calls[call_id] = future
+        self._send(("call", call_id, fn, args))
+        return future
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine. It ends every request still in flight (cancelled) before it exits."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._send(("close",))
+        self._reader.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():  # stuck: it must not outlive the server
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the pipe ------------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the engine is gone: the reader ends every request
+            pass
+
+    def _end(self, rid: int, item: Done | Failed) -> None:
+        with self._lock:
+            out = self._queues.pop(rid, None)
+        if out is not None:
+            out.put(item)
+
+    def _read(self) -> None:
+        """The reader thread: the engine's messages onto their handles' queues, until it ends.
+
+        It holds the GIL only to unpickle and put; recv() waits outside it."""
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "out":
+                    _, rid, chunks, final = message
+                    out = self._queues.get(rid)
+                    if out is not None:
+                        for chunk in chunks:
+                            out.put(chunk)
+                    if final is not None:
+                        self._end(rid, Failed(final) if isinstance(final, BaseException) else Done(final))
+                elif kind == "reply":
+                    _, call_id, ok, value = message
+                    with self._lock:
+                        future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(value) if ok else future.set_exception(value)
+                elif kind == "closed":
+                    return
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._engine_ended()
+
+    def _engine_ended(self) -> None:
+        """Nothing more will come: end what is still open, so no caller waits forever."""
+        with self._lock:
+            self._alive = False
+            queues, self._queues = self._queues, {}
+            calls, self._calls = self._calls, {}
+        code = self._process.exitcode
+        why = "the engine process has ended" + (f" (exit code {code})" if code else "")
+        for out in queues.values():
+            out.put(Failed(RuntimeError(why)))
+        for future in calls.values():
+            future.set_exception(RuntimeError(why))
+
+
+# --------------------------------------------------------------------------------- the child
+
+def kv_blocks(manager: Any) -> dict | None:
+    """The engine's KV pool: free and total blocks (for `/health` and the tests)."""
+    pool = getattr(manager.engine, "pool", None)
+    if pool is None:
+        return None
+    return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
+
+
+def _engine_main(conn: Any, serve_args: argparse.Namespace) -> None:
+    """The engine process: build the manager from serve's flags, then serve the pipe until told to stop."""
+    import gc
+
+    from common import serve_cli
+
+    # Ctrl-C reaches every process in the terminal's group; the server decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        manager, stage = serve_cli.build_manager(serve_args)
+    except SystemExit as exc:  # e.g. a stage without a SchedulerManager: the server exits with it
+        conn.send(("failed", str(exc)))
+        return
+    except BaseException as exc:  # its traceback goes to stderr; the server names it
+        conn.send(("failed", f"serve: the engine failed to start: {type(exc).__name__}: {exc}"))
+        raise
+    engine = manager.engine
+    conn.send(("ready", EngineInfo(engine.tokenizer, int(engine.max_model_len), str(engine.device),
+                                   str(engine.model.lm_head_weight.dtype).replace("torch.", ""), stage)))
+    gc.collect()
+    gc.freeze()  # the model and the manager live as long as we do (as `stagewise serve` does)
+    send_lock = threading.Lock()  # the worker (tokens) and this thread (replies) both send
+    handles: dict[int, Any] = {}
+
+    def send(message: tuple) -> None:
+        try:
+            with send_lock:
+                conn.send(message)
+        except (OSError, ValueError):  # the server is gone; recv() below sees it too
+            pass
+
+    def forward(rid: int, handle: Any) -> None:
+        """A handle's listener, run by the worker after each put: what arrived, in one message.
+        Drained and sent under one lock, so two callers cannot reorder a request's chunks."""
+        with send_lock:
+            chunks, final = handle.drain()
+            if not chunks and final is None:
+                return
+            if final is not None:
+                handles.pop(rid, None)
+                final = portable(final) if isinstance(final, BaseException) else final
+            try:
+                conn.send(("out", rid, chunks, final))
+            except (OSError, ValueError):
+                pass
+
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the server died without saying goodbye
+                break
+            kind = message[0]
+            if kind == "add":
+                _, rid, prompt, prompt_token_ids, params = message
+                try:
+                    handle = manager.add_request(prompt, prompt_token_ids=prompt_token_ids, params=params)
+                except Exception as exc:  # closed meanwhile: this request's error
+                    send(("out", rid, [], portable(exc)))
+                    continue
+                handles[rid] = handle
+                handle.set_listener(lambda rid=rid, handle=handle: forward(rid, handle))
+            elif kind == "cancel":
+                handle = handles.get(message[1])
+                if handle is not None:
+                    handle.cancel()
+            elif kind == "call":
+                _, call_id, fn, args = message
+                try:
+                    send(("reply", call_id, True, fn(manager, *args)))
+                except Exception as exc:
+                    send(("reply", call_id, False, portable(exc)))
+            elif kind == "close":
+                break
+    finally:
+        manager.close()  # every request still in flight ends, and its end is forwarded
+        send(("closed",))
+        conn.close()
