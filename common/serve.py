@@ -191,8 +191,9 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
         if submitted.done() and not submitted.cancelled() and submitted.exception() is None:
             submitted.result().cancel()
         raise
-    except RuntimeError as exc:  # closed between the check and the call
-        raise APIError(503, f"{SHUTTING_DOWN} ({exc})", type_="service_unavailable") from None
+    except RuntimeError as exc:  # closed between the check and the call, or the engine's process has ended
+        why = f"{SHUTTING_DOWN} ({exc})" if state.shutting_down else str(exc)
+        raise APIError(503, why, type_="service_unavailable") from None
     ready = _wake_on_put(handle, asyncio.get_running_loop())
     matcher, n_tokens, ended, stopped = StopMatcher(req.stop), 0, False, False
     try:
@@ -321,7 +322,10 @@ def build_app(state: ServeState) -> FastAPI:
     async def health() -> Response:
         if state.shutting_down:
             raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
-        kv = await asyncio.wrap_future(state.kv_blocks())
+        try:
+            kv = await asyncio.wrap_future(state.kv_blocks())
+        except RuntimeError as exc:  # the engine's process has ended: this server can answer nothing
+            raise APIError(503, str(exc), type_="service_unavailable") from None
         return _json({"status": "ok", "stage": state.stage, "model": state.model_name, "kv_blocks": kv})
 
     @app.get("/v1/models")

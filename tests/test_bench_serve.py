@@ -151,13 +151,15 @@ def test_serve_overhead_figures() -> None:
 
 
 
-def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
-    """End to end: the server thread, bench-serve stepping through stdin, the JSON."""
+@pytest.mark.parametrize("where", ["--engine-process", "--no-engine-process"])
+def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str) -> None:
+    """End to end: the server thread, the engine in its own process or beside it, bench-serve
+    stepping through stdin, the JSON."""
     out = tmp_path / "serve.json"
     proc = subprocess.run([sys.executable, "-m", "common.cli", "serve-overhead", "--model", "tiny", "--device", "cpu",
                            "--dtype", "float32", "--num-requests", "4", "--max-batch-size", "4",
                            "--prefill-max-batch-size", "4", "--max-new-tokens", "3", "--warmup-runs", "1",
-                           "--repeat-runs", "2", "--json", str(out)],
+                           "--repeat-runs", "2", where, "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -171,4 +173,5 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path) -> None:
     assert figures["loop_cpu_us_per_request"] > 0
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
     assert result["env"]["git_commit"] and result["dtype"] == "float32"
+    assert result["engine_process"] is (where == "--engine-process") and result["config"]["engine_process"] is result["engine_process"]
 

@@ -1,0 +1,199 @@
+"""The engine in its own process (common/engine_process.py), `stagewise serve`'s default.
+
+It must behave as the SchedulerManager it stands for: the same greedy text and streams, errors on
+the request that caused them, cancel and close ending requests and freeing their KV blocks; and
+when the engine process dies, every open request ends with an error and the server says so
+instead of hanging. Each test starts one engine process with the tiny model (a fresh Python:
+seconds), so there are few tests and each checks several things. Every wait is bounded; nothing
+is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from common import serve_cli
+from common import stages as registry
+from common.engine_process import EngineProcess, kv_blocks
+from common.http_transport import bind_socket
+from common.serve import ServeState
+from conftest import TEST_DEVICE
+
+PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
+
+
+def serve_args(*flags: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve_cli.add_serve_args(p)
+    return p.parse_args(["--stage", "9", "--model", "tiny", "--device", TEST_DEVICE, "--dtype", "float32",
+                         "--no-prefix-cache", *flags])
+
+
+def slow_down(manager, seconds: float) -> None:
+    """Run in the engine's process: a slower decode step keeps requests in flight long enough to
+    cancel them, drop them or kill the engine under them."""
+    engine = manager.engine
+    fast = engine.decode_step_sessions
+    engine.decode_step_sessions = lambda sessions: (time.sleep(seconds), fast(sessions))[1]
+
+
+def in_process(prompts: list, max_new_tokens: int) -> list[str]:
+    """The reference: stage 09's SchedulerManager in this process, greedy."""
+    from common.loader import load_model
+    stage = registry.load_stage(9)
+    engine = stage.InferenceEngine(load_model("tiny", device=TEST_DEVICE, dtype="float32"), max_batch_size=8,
+                                   prefix_cache_max_entries=0)
+    with stage.SchedulerManager(engine, max_batch_size=8) as manager:
+        handles = [manager.add_request(**p, max_new_tokens=max_new_tokens) for p in prompts]
+        return [h.result(timeout=60).text for h in handles]
+
+
+def _wait(condition, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_streams_results_and_errors_are_the_managers() -> None:
+    prompts = [{"prompt": p} for p in PROMPTS] + [{"prompt_token_ids": [1, 2, 3]}]
+    expected = in_process(prompts, 8)
+    with EngineProcess(serve_args()) as engine:
+        assert engine.engine.stage == "s09_batched_worker_lookups" and engine.engine.max_model_len > 0
+        assert engine.engine.dtype == "float32" and len(engine.engine.tokenizer) > 0  # what the server reads
+        handles = [engine.add_request(**p, max_new_tokens=8) for p in prompts]
+        streamed = ["".join(chunk.text for chunk in h) for h in handles]
+        results = [h.result(timeout=60) for h in handles]
+        assert streamed == [r.text for r in results] == expected
+        assert all(r.finish_reason in ("stop", "length") and r.timings["first_token"] > 0 for r in results)
+        # Bad input fails its own request, with the manager's error, and the engine goes on.
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.add_request("Hi", max_new_tokens=0).result(timeout=30)
+        with pytest.raises(TypeError):
+            engine.add_request("Hi", no_such_knob=1).result(timeout=30)
+        with pytest.raises(RuntimeError, match="AttributeError"):  # a call's error comes back as well
+            engine.call(getattr, "no_such_attribute").result(timeout=30)
+        pool = engine.call(kv_blocks).result(timeout=30)
+        assert pool["free"] == pool["total"] > 0
+        assert engine.add_request("Hi", max_new_tokens=2).result(timeout=30).token_ids
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.add_request("Hi")
+    with pytest.raises(ProcessLookupError):  # it exited and was reaped
+        os.kill(engine.pid, 0)
+
+
+def test_cancel_and_close_end_every_request_and_free_its_blocks() -> None:
+    with EngineProcess(serve_args("--max-batch-size", "4")) as engine:
+        engine.call(slow_down, 0.02).result(timeout=30)
+        handle = engine.add_request("Hello", max_new_tokens=200, stop_on_eos=False)
+        next(iter(handle))  # running: it holds blocks
+        pool = engine.call(kv_blocks).result(timeout=30)
+        assert pool["free"] < pool["total"]
+        handle.cancel()
+        assert handle.result(timeout=30).finish_reason == "cancelled"
+        assert _wait(lambda: (lambda kv: kv["free"] == kv["total"])(engine.call(kv_blocks).result(timeout=30)))
+        in_flight = [engine.add_request("Hi", max_new_tokens=200, stop_on_eos=False) for _ in range(3)]
+        for h in in_flight:
+            next(iter(h))
+        engine.close()  # while they run
+        assert [h.result(timeout=30).finish_reason for h in in_flight] == ["cancelled"] * 3
+
+
+def test_a_stage_without_a_manager_fails_to_start_with_its_reason() -> None:
+    with pytest.raises(SystemExit, match="stage 4 or later"):
+        EngineProcess(serve_args("--stage", "3"))
+
+
+class Served:
+    """`stagewise serve` as its main() builds it (engine process, then server), in a thread."""
+
+    def __init__(self, *flags: str) -> None:
+        self.engine = EngineProcess(serve_args(*flags))
+        self.state = ServeState(self.engine, "tiny", self.engine.engine.stage)
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.server = serve_cli.make_server(self.state, sock)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        assert _wait(lambda: self.server.started, timeout=30), "server did not start"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def blocks_in_use(self) -> int:
+        kv = self.state.kv_blocks().result(30)
+        return kv["total"] - kv["free"]
+
+    def stop(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+        assert self.state.wait_closed(30)
+
+
+def test_serve_over_an_engine_process() -> None:
+    """The server as `stagewise serve` runs it: concurrent streams with the in-process text, a
+    dropped client's blocks freed, and a shutdown that ends the requests still running."""
+    served = Served("--max-batch-size", "8")
+    try:
+        expected = in_process([{"prompt": p} for p in PROMPTS], 8)
+
+        def stream(prompt: str) -> str:
+            chunks = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                     stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(stream, PROMPTS * 4))
+        assert got == expected * 4
+        assert httpx.get(served.url + "/health", timeout=10).json()["kv_blocks"]["free"] > 0
+
+        served.engine.call(slow_down, 0.02).result(timeout=30)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            assert served.blocks_in_use() > 0
+        assert _wait(lambda: served.blocks_in_use() == 0)  # the drop cancelled it in the engine's process
+
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            served.stop()  # SIGTERM's path, with a request in flight
+            tail = list(lines)
+        assert tail[-2:] == ["data: [DONE]", ""] or tail[-1:] == ["data: [DONE]"]
+        assert any("shutting down" in line for line in tail)  # it ended, cancelled, and said why
+        with pytest.raises(ProcessLookupError):
+            os.kill(served.engine.pid, 0)
+    finally:
+        if served.thread.is_alive():
+            served.stop()
+
+
+def test_a_dead_engine_ends_its_requests_and_the_server_answers_503() -> None:
+    served = Served()
+    try:
+        served.engine.call(slow_down, 0.02).result(timeout=30)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            os.kill(served.engine.pid, signal.SIGKILL)
+            tail = list(lines)  # the stream ends with an error event, it does not hang
+        assert any("engine process has ended" in line for line in tail) and tail[-2:] == ["data: [DONE]", ""]
+        health = httpx.get(served.url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine process has ended" in health.json()["error"]["message"]
+        with pytest.raises(openai.APIStatusError) as err:
+            served.client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        assert err.value.status_code == 503
+    finally:
+        served.stop()
