@@ -3,8 +3,8 @@
     stagewise serve-overhead --stage 9 --model smollm2-135m --json docs/results/serve.cpu.json
 
 This process serves the stage's engine over HTTP (the server `stagewise serve` runs, in a
-thread); the engine and its SchedulerManager run in a process of their own, as `stagewise serve`
-runs them (`--no-engine-process`: in this one). `bench-serve` runs in another process as the HTTP
+thread), and holds the engine and its SchedulerManager too, as `stagewise serve` does by default
+(`--engine-process`: in a process of their own). `bench-serve` runs in another process as the HTTP
 client. The two sides take turns on the SAME manager: a run in-process (`add_request` from a
 thread of the manager's own process, a consumer thread per request), then a run over HTTP, then
 the other order, and so on. Why paired: this machine's speed drifts by 20 % and more from
@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-quiet-ms", type=float, default=50.0)
     p.add_argument("--warmup-runs", type=int, default=1, help="per side")
     p.add_argument("--repeat-runs", type=int, default=3, help="pairs of runs (one per side)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="the engine in its own process, as `stagewise serve` runs it (the in-process "
-                        "side then runs in that process too)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="the engine in its own process, as `stagewise serve --engine-process` runs it "
+                        "(the in-process side then runs in that process too)")
     p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     return p
@@ -102,7 +102,7 @@ class Server:
         from common.http_transport import bind_socket
         p = argparse.ArgumentParser()
         serve_cli.add_serve_args(p)
-        split = [] if a.engine_process else ["--no-engine-process"]
+        split = ["--engine-process" if a.engine_process else "--no-engine-process"]
         args = p.parse_args(["--stage", a.stage, "--model", a.model, *_engine_flags(a), *split])
         self.manager, self.stage = serve_cli.start_engine(args)
         self.engine_process = bool(a.engine_process)

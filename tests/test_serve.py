@@ -373,10 +373,11 @@ def test_shutdown_ends_every_in_flight_request_and_releases_the_port(loaded) -> 
     bind_socket("127.0.0.1", server.port).close()  # the port is free again
 
 
-def test_sigterm_stops_the_serve_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", [[], ["--engine-process"]], ids=["engine-inside", "engine-process"])
+def test_sigterm_stops_the_serve_process(tmp_path: Path, where: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", "tiny", "--device", "cpu",
-                             "--port", "0"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+                             "--port", "0", *where], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", proc.stdout.readline()).group(0)
         assert _wait(lambda: _healthy(url), timeout=60)
