@@ -13,7 +13,6 @@ import argparse
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,11 +20,11 @@ import openai
 import pytest
 
 from common import serve_cli
-from common import stages as registry
 from common.engine_process import EngineProcess, kv_blocks
 from common.http_transport import bind_socket
 from common.serve import ServeState
 from conftest import TEST_DEVICE
+from tests.live_server import ServerThread, in_process_texts, slow_down, wait_for as _wait
 
 PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 
@@ -37,32 +36,9 @@ def serve_args(*flags: str) -> argparse.Namespace:
                          "--no-prefix-cache", *flags])
 
 
-def slow_down(manager, seconds: float) -> None:
-    """Run in the engine's process: a slower decode step keeps requests in flight long enough to
-    cancel them, drop them or kill the engine under them."""
-    engine = manager.engine
-    fast = engine.decode_step_sessions
-    engine.decode_step_sessions = lambda sessions: (time.sleep(seconds), fast(sessions))[1]
-
-
-def in_process(prompts: list, max_new_tokens: int) -> list[str]:
-    """The reference: stage 09's SchedulerManager in this process, greedy."""
+def in_process(requests: list[dict], max_new_tokens: int) -> list[str]:
     from common.loader import load_model
-    stage = registry.load_stage(9)
-    engine = stage.InferenceEngine(load_model("tiny", device=TEST_DEVICE, dtype="float32"), max_batch_size=8,
-                                   prefix_cache_max_entries=0)
-    with stage.SchedulerManager(engine, max_batch_size=8) as manager:
-        handles = [manager.add_request(**p, max_new_tokens=max_new_tokens) for p in prompts]
-        return [h.result(timeout=60).text for h in handles]
-
-
-def _wait(condition, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
+    return in_process_texts(load_model("tiny", device=TEST_DEVICE, dtype="float32"), requests, max_new_tokens)
 
 
 def test_streams_results_and_errors_are_the_managers() -> None:
@@ -114,29 +90,15 @@ def test_a_stage_without_a_manager_fails_to_start_with_its_reason() -> None:
         EngineProcess(serve_args("--stage", "3"))
 
 
-class Served:
-    """`stagewise serve` as its main() builds it (engine process, then server), in a thread."""
+class Served(ServerThread):
+    """`stagewise serve --engine-process` as its main() builds it (engine process, then server), in a thread."""
 
     def __init__(self, *flags: str) -> None:
         self.engine = EngineProcess(serve_args(*flags))
-        self.state = ServeState(self.engine, "tiny", self.engine.engine.stage)
-        sock = bind_socket("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.server = serve_cli.make_server(self.state, sock)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        assert _wait(lambda: self.server.started, timeout=30), "server did not start"
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def blocks_in_use(self) -> int:
-        kv = self.state.kv_blocks().result(30)
-        return kv["total"] - kv["free"]
+        super().__init__(ServeState(self.engine, "tiny", self.engine.engine.stage))
 
     def stop(self) -> None:
-        self.server.handle_exit(signal.SIGTERM, None)
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "server did not stop"
+        super().stop()
         assert self.state.wait_closed(30)
 
 

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,41 +29,22 @@ from common.http_transport import bind_socket
 from common.serve import ServeState
 from common.serve_cli import make_server
 from conftest import TEST_DEVICE
+from tests.live_server import ServerThread, in_process_texts, slow_down, wait_for as _wait
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE = registry.load_stage(9)
 PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 
-class LiveServer:
-    """`stagewise serve`'s app and uvicorn server in a thread; stop() takes the SIGTERM path."""
+class LiveServer(ServerThread):
+    """Stage 09's manager, built in this process, behind `stagewise serve`'s app in a thread."""
 
     def __init__(self, loaded, slow_s: float = 0.0, max_batch_size: int = 8, **knobs) -> None:
         engine = STAGE.InferenceEngine(loaded, max_batch_size=max_batch_size, prefix_cache_max_entries=0, **knobs)
-        if slow_s:  # a slower decode step keeps requests in flight long enough to drop or stop them
-            fast = engine.decode_step_sessions
-            engine.decode_step_sessions = lambda sessions: (time.sleep(slow_s), fast(sessions))[1]
-        self.state = ServeState(STAGE.SchedulerManager(engine, max_batch_size=max_batch_size), "tiny", "s09")
-        sock = bind_socket("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.server = make_server(self.state, sock)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def blocks_in_use(self) -> int:
-        kv = self.state.kv_blocks().result(10)
-        return kv["total"] - kv["free"]
-
-    def stop(self) -> None:
-        self.server.handle_exit(signal.SIGTERM, None)
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "server did not stop"
+        manager = STAGE.SchedulerManager(engine, max_batch_size=max_batch_size)
+        if slow_s:  # requests stay in flight long enough to drop or stop them
+            slow_down(manager, slow_s)
+        super().__init__(ServeState(manager, "tiny", "s09"))
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +61,7 @@ def live(loaded):
 
 
 def _in_process(loaded, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """The reference: the same stage's SchedulerManager, in this process, greedy."""
-    engine = STAGE.InferenceEngine(loaded, max_batch_size=8, prefix_cache_max_entries=0)
-    with STAGE.SchedulerManager(engine, max_batch_size=8) as manager:
-        handles = [manager.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
-        return [h.result(timeout=60).text for h in handles]
-
-
-def _wait(condition, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
+    return in_process_texts(loaded, [{"prompt": p} for p in prompts], max_new_tokens)
 
 
 # ----------------------------------------------------------------------------- the endpoints

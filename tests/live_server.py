@@ -1,0 +1,73 @@
+"""`stagewise serve`'s app and uvicorn server in a thread of the test process, over a given state.
+
+Shared by tests/test_serve.py (a manager built in the test process) and
+tests/test_engine_process.py (the engine in a process of its own), with the helpers both use.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from typing import Any, Callable
+
+import openai
+
+from common import stages as registry
+from common.http_transport import bind_socket
+from common.serve import ServeState
+from common.serve_cli import make_server
+
+
+class ServerThread:
+    """The server on 127.0.0.1 (a free port) in a thread; stop() takes the SIGTERM path."""
+
+    def __init__(self, state: ServeState) -> None:
+        self.state = state
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.server = make_server(self.state, sock)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def blocks_in_use(self) -> int:
+        kv = self.state.kv_blocks().result(30)
+        return kv["total"] - kv["free"]
+
+    def stop(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+def slow_down(manager: Any, seconds: float) -> None:
+    """A slower decode step keeps requests in flight long enough to cancel them, drop them or
+    kill the engine under them (with the engine in its own process, run there by `call`)."""
+    engine = manager.engine
+    fast = engine.decode_step_sessions
+    engine.decode_step_sessions = lambda sessions: (time.sleep(seconds), fast(sessions))[1]
+
+
+def in_process_texts(loaded: Any, requests: list[dict], max_new_tokens: int) -> list[str]:
+    """The reference: stage 09's SchedulerManager in this process, greedy; `requests` are
+    add_request keywords (`prompt` or `prompt_token_ids`)."""
+    stage = registry.load_stage(9)
+    engine = stage.InferenceEngine(loaded, max_batch_size=8, prefix_cache_max_entries=0)
+    with stage.SchedulerManager(engine, max_batch_size=8) as manager:
+        handles = [manager.add_request(**r, max_new_tokens=max_new_tokens) for r in requests]
+        return [h.result(timeout=60).text for h in handles]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
