@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -108,55 +107,15 @@ class ServeState:
         return done
 
 
-class FirstTokenHandover:
-    """Switch threads sooner while a request's first token waits for the event loop.
-
-    Why: the worker holds the GIL through the Python between its operators and, at Python's
-    switch interval (5 ms by default), gives it up to a waiting thread only that often: stamped
-    per request, the loop got a burst's first tokens about 6 ms after the worker sampled them.
-    A short interval all the time made every decode step longer (the worker gives the GIL up ten
-    times as often), so it is short only from a first token's put until the loop wakes for it,
-    and back to the default while the loop writes the chunks.
-    """
-
-    FAST_S = 0.0005
-
-    def __init__(self) -> None:
-        self.default_s = sys.getswitchinterval()
-        self.hurried = False
-
-    def hurry(self) -> None:  # the worker, putting a request's first token
-        if not self.hurried:
-            self.hurried = True
-            sys.setswitchinterval(self.FAST_S)
-
-    def relax(self) -> None:  # the loop, woken
-        if self.hurried:
-            self.hurried = False
-            sys.setswitchinterval(self.default_s)
-
-
-HANDOVER = FirstTokenHandover()
-
-
 def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     """An event set (on the loop) whenever the worker puts something on the request's queue."""
     ready = asyncio.Event()
-    first = True
-
-    def wake() -> None:  # on the loop
-        HANDOVER.relax()
-        ready.set()
 
     def on_put() -> None:  # in the worker's thread: hand over, never raise
-        nonlocal first
-        if first:
-            first = False
-            HANDOVER.hurry()
         try:
-            loop.call_soon_threadsafe(wake)
+            loop.call_soon_threadsafe(ready.set)
         except RuntimeError:  # the loop is closed (server stopped): nobody is waiting
-            HANDOVER.relax()
+            pass
 
     handle.set_listener(on_put)
     return ready
