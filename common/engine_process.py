@@ -127,7 +127,9 @@ class EngineProcess:
     def call(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
         """Run `fn(manager, *args)` in the engine process (fn must be importable there: a module's
         top-level function); the Future gets its result or its error. For what only the engine can
-        see (its KV pool) and for benchmarks that must run beside it."""
+        see (its KV pool) and for benchmarks that must run beside it. It runs on the engine's main
+        thread, so requests and cancels sent meanwhile wait until it returns: keep it short, or
+        call it when nothing else is in flight (as serve-overhead does)."""
         future: Future[Any] = Future()
         with self._lock:
             if not self._alive:
