@@ -4,10 +4,11 @@
 
 FastAPI + uvicorn (the stack vLLM and SGLang use) in front of the stage's `SchedulerManager`:
 the event loop only parses, validates and writes bytes; the manager's worker thread runs the
-model, as it does in-process. With `--engine-process` the manager runs in a process of its own
-and the server holds an `EngineProcess` that hands out the same handles (common/engine_process.py). The worker's put on a request's queue wakes the event loop (a
+model, as it does in-process. The worker's put on a request's queue wakes the event loop (a
 listener on the handle), which drains it without blocking: no thread per request, and a slow
-client never stalls the worker (its chunks wait in its queue).
+client never stalls the worker (its chunks wait in its queue). With `--engine-process` the
+manager runs in a process of its own, and the server holds an `EngineProcess` that hands out
+the same handles (common/engine_process.py).
 A dropped client cancels its request (its KV blocks go back to the pool); SIGINT/SIGTERM end
 every in-flight request, answer 503 to new ones, and release the port.
 The stage comes from the registry (common/stages.py): this file imports no stage.

@@ -10,10 +10,10 @@ thread of the manager's own process, a consumer thread per request), then a run 
 the other order, and so on. Why paired: this machine's speed drifts by 20 % and more from
 minute to minute, a burst's TTFT is most of a second of prefill, and the target is 5 ms; two runs
 seconds apart on one engine see the same machine, so their difference is HTTP's, and the median
-over pairs is the figure. The JSON keeps both sides whole, every pair, and the env of the run. Each HTTP run also
-records the CPU time of HTTP's work (`loop_cpu_us_per_request`): uvicorn's event loop, and with
-the engine in its own process the reader that takes its tokens: a cost that swings far less with
-the machine than a TTFT.
+over pairs is the figure. The JSON keeps both sides whole, every pair, and the env of the run.
+Each HTTP run also records the CPU time of HTTP's work (`loop_cpu_us_per_request`): uvicorn's
+event loop, and with the engine in its own process the reader that takes its tokens: a cost that
+swings far less with the machine than a TTFT.
 """
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def run_in_process(manager: Any, requests: list, timeout_s: float) -> dict:
 
 
 class Server:
-    """`stagewise serve`'s app in a thread of this process, over the stage's manager: in the
-    engine's own process (`--engine-process`, as `stagewise serve` runs) or in this one."""
+    """`stagewise serve`'s app in a thread of this process, over the stage's manager: in this
+    process, as `stagewise serve` runs it by default, or in its own (`--engine-process`)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         from common import serve, serve_cli

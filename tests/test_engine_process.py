@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,7 +20,6 @@ import pytest
 
 from common import serve_cli
 from common.engine_process import EngineProcess, kv_blocks
-from common.http_transport import bind_socket
 from common.serve import ServeState
 from conftest import TEST_DEVICE
 from tests.live_server import ServerThread, in_process_texts, slow_down, wait_for as _wait

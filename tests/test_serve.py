@@ -27,7 +27,6 @@ from common import stages as registry
 from common.openai_protocol import StopMatcher, choice, envelope, sse, text_event
 from common.http_transport import bind_socket
 from common.serve import ServeState
-from common.serve_cli import make_server
 from conftest import TEST_DEVICE
 from tests.live_server import ServerThread, in_process_texts, slow_down, wait_for as _wait
 
