@@ -29,6 +29,7 @@ cores to spare beside the engine (a GPU server), where vLLM uses it.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import multiprocessing
 import signal
@@ -54,6 +55,21 @@ class EngineInfo:
     device: str
     dtype: str
     stage: str
+
+    @classmethod
+    def of(cls, engine: Any, stage: str) -> "EngineInfo":
+        return cls(engine.tokenizer, int(engine.max_model_len), str(engine.device),
+                   str(engine.model.lm_head_weight.dtype).replace("torch.", ""), stage)
+
+
+def send_or_drop(conn: Any, lock: threading.Lock, message: tuple) -> None:
+    """Send on the pipe under `lock` (several threads send on each end); if the other end is
+    gone, drop it: that end's reader sees EOF and ends what is open."""
+    try:
+        with lock:
+            conn.send(message)
+    except (OSError, ValueError):
+        pass
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -163,11 +179,7 @@ class EngineProcess:
     # ---- the pipe ------------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (OSError, ValueError):  # the engine is gone: the reader ends every request
-            pass
+        send_or_drop(self._conn, self._send_lock, message)
 
     def _end(self, rid: int, item: Done | Failed) -> None:
         with self._lock:
@@ -218,15 +230,16 @@ class EngineProcess:
             future.set_exception(RuntimeError(why))
 
 
-# --------------------------------------------------------------------------------- the child
-
 def kv_blocks(manager: Any) -> dict | None:
-    """The engine's KV pool: free and total blocks (for `/health` and the tests)."""
+    """The engine's KV pool: free and total blocks (for `/health` and the tests; called
+    where the manager lives, in this process or, through `call`, in the engine's)."""
     pool = getattr(manager.engine, "pool", None)
     if pool is None:
         return None
     return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
 
+
+# --------------------------------------------------------------------------------- the child
 
 class Outbox:
     """What the worker puts on the requests' queues, sent to the server in one message per step.
@@ -310,21 +323,12 @@ def _engine_main(conn: Any, serve_args: argparse.Namespace) -> None:
     except BaseException as exc:  # its traceback goes to stderr; the server names it
         conn.send(("failed", f"serve: the engine failed to start: {type(exc).__name__}: {exc}"))
         raise
-    engine = manager.engine
-    conn.send(("ready", EngineInfo(engine.tokenizer, int(engine.max_model_len), str(engine.device),
-                                   str(engine.model.lm_head_weight.dtype).replace("torch.", ""), stage)))
+    conn.send(("ready", EngineInfo.of(manager.engine, stage)))
     gc.collect()
     gc.freeze()  # the model and the manager live as long as we do (as `stagewise serve` does)
-    send_lock = threading.Lock()  # the worker (tokens), the outbox's thread and this one (replies) all send
+    # The worker (tokens), the outbox's thread and this one (replies) all send.
+    send = functools.partial(send_or_drop, conn, threading.Lock())
     handles: dict[int, Any] = {}
-
-    def send(message: tuple) -> None:
-        try:
-            with send_lock:
-                conn.send(message)
-        except (OSError, ValueError):  # the server is gone; recv() below sees it too
-            pass
-
     outbox = Outbox(send, handles)
     outbox.flush_before(manager.scheduler)
 

@@ -295,9 +295,10 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
         server.stop()
     pairs = [pair(h, e, l, f) for h, e, l, f in zip(http["runs"], http_engine, local_runs, order)]
     local = {"engine": "in-process", "mode": "streaming", **median_summary(local_runs), "runs": local_runs}
-    engine = server.manager.engine
-    dtype = engine.dtype if server.engine_process else str(engine.model.lm_head_weight.dtype).replace("torch.", "")
-    meta = {"stage": server.stage, "model": a.model, "device": str(engine.device), "dtype": dtype,
+    from common.engine_process import EngineInfo
+    engine = server.manager.engine  # an EngineInfo already when the engine has its own process
+    info = engine if server.engine_process else EngineInfo.of(engine, server.stage)
+    meta = {"stage": server.stage, "model": a.model, "device": info.device, "dtype": info.dtype,
             "engine_process": server.engine_process}
     return {**http, "engine": "http"}, local, pairs, meta
 
