@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.requests import SamplingParams
+from common.requests import ContextLengthExceeded, SamplingParams
 from common.streams import ChunkQueue, Done, Failed, RequestHandle
 
 START_TIMEOUT_S = 900.0  # loading (a first run converts SmolLM2's GGUF) can take minutes
@@ -74,7 +74,10 @@ def send_or_drop(conn: Any, lock: threading.Lock, message: tuple) -> None:
 
 def portable(exc: BaseException) -> BaseException:
     """An error the parent can unpickle without importing a stage: its kind (bad input or not) and
-    message survive, which is all the server answers with (400 for ValueError, 500 otherwise)."""
+    message survive, which is all the server answers with (400 for ValueError, 500 otherwise).
+    ContextLengthExceeded is common's own and crosses as it is: the server names its field."""
+    if isinstance(exc, ContextLengthExceeded):
+        return exc
     if isinstance(exc, ValueError):
         return ValueError(str(exc))
     return RuntimeError(f"{type(exc).__name__}: {exc}")

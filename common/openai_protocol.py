@@ -69,6 +69,10 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    # The request's own names for what the engine calls "prompt" and "max_new_tokens", for a
+    # refusal only the engine can make (the prompt's token count is known after tokenization).
+    prompt_field: str = "prompt"
+    max_tokens_field: str = "max_tokens"
 
 
 def parse_json(raw: bytes) -> dict:
@@ -119,7 +123,11 @@ def _int_field(body: dict, name: str, minimum: int) -> int | None:
 
 
 def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -> SamplingParams:
-    """OpenAI's sampling fields as SamplingParams; temperature 0 is greedy, as in the API."""
+    """OpenAI's sampling fields as SamplingParams; temperature 0 is greedy, as in the API.
+
+    What does not fit the context window is refused, as OpenAI's API does: a prompt that leaves
+    no room, and a `max_tokens` the client gave that reaches past it. A default `max_tokens` is
+    ours, not the client's: it ends where the window does."""
     max_tokens = _int_field(body, max_tokens_field, 1)
     temperature = body.get("temperature", 1.0)
     top_p = body.get("top_p", 1.0)
@@ -138,7 +146,8 @@ def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -> Sam
         raise bad_request("ignore_eos", f"must be a bool, got {ignore_eos!r}")
     params = SamplingParams(max_new_tokens=default_max_tokens if max_tokens is None else max_tokens,
                             temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                            do_sample=float(temperature) > 0, stop_on_eos=not ignore_eos, seed=body.get("seed"))
+                            do_sample=float(temperature) > 0, stop_on_eos=not ignore_eos, seed=body.get("seed"),
+                            truncate_prompt=False, clip_max_new_tokens=max_tokens is None)
     try:
         params.validate()
     except ValueError as exc:  # its message starts with our field name; answer with the API's
@@ -253,7 +262,7 @@ def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedReq
     which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     stream, include_usage = _stream_fields(body)
     return ParsedRequest(_model(body), prompt, None, _sampling(body, which, default_max_tokens),
-                         _stops(body), stream, include_usage)
+                         _stops(body), stream, include_usage, prompt_field="messages", max_tokens_field=which)
 
 
 class StopMatcher:

@@ -35,6 +35,14 @@ class SamplingParams:
 
     `do_sample=False` (the default, like HF `generate`) or `temperature == 0` means greedy.
     `top_k == 0` and `top_p == 1.0` switch those filters off.
+
+    The last two say what happens when a request does not fit the model's context window
+    (`max_model_len`). The defaults do what the posts do: a prompt longer than the window keeps
+    its last tokens, and generation ends ("length") where the window does, whatever
+    `max_new_tokens` said. OpenAI's API, and vLLM's and SGLang's servers, answer such a request
+    with a 400 instead, so `stagewise serve` sets both to False (the second only when the client
+    gave `max_tokens`: a default it never asked for still ends at the window). A refusal is a
+    `ContextLengthExceeded` naming the field.
     """
 
     max_new_tokens: int = 64
@@ -44,6 +52,8 @@ class SamplingParams:
     do_sample: bool = False  # False (or temperature == 0) = greedy
     stop_on_eos: bool = True
     seed: int | None = None  # per-request generator seed; None = the global torch RNG
+    truncate_prompt: bool = True  # False: a prompt that leaves no room for one new token is refused
+    clip_max_new_tokens: bool = True  # False: prompt + max_new_tokens beyond the window is refused
 
     def validate(self) -> None:
         """Raise ValueError("<field> ...") for the first invalid field."""
@@ -61,6 +71,9 @@ class SamplingParams:
             raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise ValueError(f"seed must be an int (64-bit) or None, got {self.seed!r}")
+        for name in ("truncate_prompt", "clip_max_new_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +131,20 @@ class Completion:
     prompt: str | None = None
 
 
+class ContextLengthExceeded(ValueError):
+    """A request that does not fit the context window, refused because its params asked for that
+    (`truncate_prompt=False`, `clip_max_new_tokens=False`). `field` is "prompt" or "max_new_tokens",
+    so a server can answer with its own name for it; the message starts with it, like every
+    ValueError here."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field} {detail}")
+        self.field, self.detail = field, detail
+
+    def __reduce__(self) -> tuple:  # crosses a process boundary (common/engine_process.py) intact
+        return type(self), (self.field, self.detail)
+
+
 @dataclass
 class PreparedPrompt:
     """Token ids an engine can run, and whether the prompt had to be cut to fit."""
@@ -130,7 +157,8 @@ def prepare_prompt(request: Request, tokenizer: Any, max_model_len: int) -> Prep
     """Validate `request` and turn it into at most `max_model_len` token ids.
 
     A prompt longer than the context window keeps its LAST `max_model_len` tokens (as the posts
-    do): the end of the prompt is what the next token depends on most. Ids outside the tokenizer's
+    do): the end of the prompt is what the next token depends on most; unless its params say to
+    refuse what does not fit (`ContextLengthExceeded`, see SamplingParams). Ids outside the tokenizer's
     vocabulary are rejected here because the embedding lookup would otherwise fail deep inside a
     batched forward, taking the other requests of the batch down with it.
     """
@@ -151,10 +179,27 @@ def prepare_prompt(request: Request, tokenizer: Any, max_model_len: int) -> Prep
         ids = encode(tokenizer, request.prompt or "")
         if not ids:
             raise ValueError(f"prompt encodes to no tokens: {request.prompt!r}")
+    check_fits(request.params, len(ids), max_model_len)
     truncated = len(ids) > max_model_len
     if truncated:
         ids = ids[-max_model_len:]
     return PreparedPrompt(token_ids=ids, truncated=truncated)
+
+
+def check_fits(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Raise ContextLengthExceeded where `params` ask to refuse what the window cannot hold.
+
+    The window holds the prompt and every generated token but the last (which is sampled, never
+    fed back): as vLLM and SGLang count it, prompt + max_new_tokens <= max_model_len, and so a
+    prompt needs at least one free position."""
+    if not params.truncate_prompt and prompt_len >= max_model_len:
+        raise ContextLengthExceeded(
+            "prompt", f"has {prompt_len} tokens; the model's context window is {max_model_len} tokens "
+            f"(max_model_len), so a prompt may have at most {max_model_len - 1}")
+    if not params.clip_max_new_tokens and prompt_len + params.max_new_tokens > max_model_len:
+        raise ContextLengthExceeded(
+            "max_new_tokens", f"is {params.max_new_tokens}, more than the {max_model_len - prompt_len} tokens left "
+            f"after the prompt's {prompt_len}: the model's context window is {max_model_len} tokens (max_model_len)")
 
 
 def finish_reason_for(

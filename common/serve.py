@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.engine_process import kv_blocks
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
+from common.requests import ContextLengthExceeded
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -167,11 +168,14 @@ class EventStream:
             await self.events.aclose()
 
 
-def _api_error(exc: BaseException) -> APIError:
+def _api_error(exc: BaseException, req: ParsedRequest) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ContextLengthExceeded):  # OpenAI's code for it, and the request's own field name
+        name = req.prompt_field if exc.field == "prompt" else req.max_tokens_field
+        return APIError(400, f"{name} {exc.detail}", param=name, code="context_length_exceeded")
     if isinstance(exc, ValueError):  # bad input only the engine can see (a prompt the KV pool can never hold)
-        return APIError(400, str(exc), param="prompt" if str(exc).startswith("prompt") else None,
+        return APIError(400, str(exc), param=req.prompt_field if str(exc).startswith("prompt") else None,
                         code="invalid_value")
     return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
 
@@ -215,7 +219,7 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
                 continue
             ended = True
             if isinstance(result, BaseException):
-                raise _api_error(result)
+                raise _api_error(result, req)
             if result.finish_reason == "cancelled" and not stopped:
                 raise APIError(503, f"{SHUTTING_DOWN}: request cancelled", type_="service_unavailable")
             reason = "stop" if stopped else result.finish_reason

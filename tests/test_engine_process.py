@@ -116,9 +116,12 @@ def test_serve_over_an_engine_process() -> None:
             got = list(pool.map(stream, PROMPTS * 4))
         assert got == expected * 4
         assert httpx.get(served.url + "/health", timeout=10).json()["kv_blocks"]["free"] > 0
+        with pytest.raises(openai.BadRequestError) as err:  # refused in the engine's process, named here
+            served.client.completions.create(model="tiny", prompt="Hi", max_tokens=500)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "max_tokens")
 
         served.engine.call(slow_down, 0.02).result(timeout=30)
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as resp:
             lines = resp.iter_lines()
             assert next(lines).startswith("data: {")
@@ -143,7 +146,7 @@ def test_a_dead_engine_ends_its_requests_and_the_server_answers_503() -> None:
     served = Served()
     try:
         served.engine.call(slow_down, 0.02).result(timeout=30)
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as resp:
             lines = resp.iter_lines()
             next(lines)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from common.requests import (
     Completion,
+    ContextLengthExceeded,
     PreparedPrompt,
     Request,
     SamplingParams,
@@ -148,6 +151,32 @@ def test_prepare_prompt_keeps_the_last_positions(tokenizer) -> None:
     full = encode(tokenizer, text)
     prepared = prepare_prompt(Request(prompt=text), tokenizer, 5)
     assert prepared.truncated and prepared.token_ids == full[-5:]
+
+
+def test_prepare_prompt_refuses_what_does_not_fit_when_asked(tokenizer) -> None:
+    """truncate_prompt=False / clip_max_new_tokens=False (what the HTTP server asks for): the
+    window holds prompt + max_new_tokens; the defaults keep the posts' fitting."""
+    strict = SamplingParams(max_new_tokens=2, truncate_prompt=False, clip_max_new_tokens=False)
+    ids = list(range(10, 40))  # 30 tokens
+    assert prepare_prompt(Request(prompt_token_ids=ids, params=strict), tokenizer, 32) == PreparedPrompt(ids, False)
+    with pytest.raises(ContextLengthExceeded, match="^max_new_tokens is 2, more than the 1 tokens") as err:
+        prepare_prompt(Request(prompt_token_ids=ids, params=strict), tokenizer, 31)
+    assert err.value.field == "max_new_tokens"
+    for window in (30, 8):  # no room left for one new token, or longer than the window
+        with pytest.raises(ContextLengthExceeded, match=f"^prompt has 30 tokens.* at most {window - 1}$") as err:
+            prepare_prompt(Request(prompt_token_ids=ids, params=strict), tokenizer, window)
+        assert err.value.field == "prompt" and isinstance(err.value, ValueError)
+    text = "one two three four five six seven eight nine ten " * 4
+    with pytest.raises(ContextLengthExceeded, match="^prompt has"):  # text prompts count their tokens
+        prepare_prompt(Request(prompt=text, params=strict), tokenizer, 5)
+    prompt_only = SamplingParams(max_new_tokens=1000, truncate_prompt=False)  # a default max_tokens: clipped
+    assert prepare_prompt(Request(prompt_token_ids=ids, params=prompt_only), tokenizer, 31) == PreparedPrompt(ids, False)
+    # it survives pickling whole (an engine in its own process sends it over a pipe)
+    again = pickle.loads(pickle.dumps(err.value))
+    assert (type(again), again.field, again.detail, str(again)) == (type(err.value), "prompt", err.value.detail,
+                                                                   str(err.value))
+    with pytest.raises(ValueError, match="^clip_max_new_tokens must be a bool"):
+        SamplingParams(clip_max_new_tokens=0).validate()
 
 
 def test_prepare_prompt_rejects_ids_outside_vocab(tokenizer) -> None:
