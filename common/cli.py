@@ -7,6 +7,7 @@
     stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
     stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py, serve_cli.py)
     stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/bench_serve.py)
+    stagewise serve-compare --stage 9                      (against `transformers serve`; common/serve_compare.py)
     stagewise parity --model NAME --dtype bfloat16        (every stage's tokens against transformers'; common/parity.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
@@ -64,7 +65,7 @@ def cmd_ladder(argv: list[str]) -> int:
 
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
 SUBPROGRAMS = {"serve": "common.serve_cli", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
-               "stability": "common.stability", "profile-decode": "common.profile_decode",
+               "serve-compare": "common.serve_compare", "stability": "common.stability", "profile-decode": "common.profile_decode",
                "profile-prefill": "common.profile_prefill", "parity": "common.parity"}
 
 
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one prompt's prefill op by op, against its matmul floor (common/profile_prefill.py)")
     sub.add_parser("serve-overhead", add_help=False,
                    help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
+    sub.add_parser("serve-compare", add_help=False,
+                   help="stagewise serve against transformers serve, same client and workload (common/serve_compare.py)")
     sub.add_parser("parity", add_help=False,
                    help="every stage's greedy tokens against transformers' generate (common/parity.py)")
     return parser

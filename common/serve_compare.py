@@ -1,0 +1,176 @@
+"""`stagewise serve` against `transformers serve`: one workload, one client, each server in a fresh process.
+
+    stagewise serve-compare --stage 9 --model smollm2-135m --json docs/results/serve-compare.cpu.json
+
+What a reader would run instead of stagewise, to serve a model over the OpenAI API from Python,
+is `transformers serve --continuous-batching`: the library's own scheduler and paged KV cache.
+Both servers load the same Hugging Face directory on the same device in the same dtype, and the
+same `stagewise bench-serve` (another process) sends them the same burst. Each server is started
+for its turn and stopped after it, so neither inherits the other's process; `--rounds` repeats
+the pair in alternating order, as this machine's speed drifts from minute to minute. The client
+asks for greedy tokens and lets EOS end a request (`transformers serve` refuses vLLM's
+`ignore_eos`), so two correct engines produce the same tokens and do the same work; the JSON
+says whether they did (`same_completion_tokens`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from common.bench import write_json
+from common.envinfo import REPO_ROOT, collect_env
+from common.report import comparison_ratios, format_comparison
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both servers load a local directory
+START_TIMEOUT_S = 900.0  # a first run converts SmolLM2's GGUF; transformers' imports take a while too
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from common import stages as registry
+    p = argparse.ArgumentParser(prog="stagewise serve-compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", default=str(max(registry.STAGES)), help="a stage with a SchedulerManager (04+)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None, help="default: the device's (float32 on a CPU, bfloat16 on CUDA)")
+    p.add_argument("--prompt", default="Hello", help="each request sends it with ' #i' appended")
+    p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="stagewise's decode batch (default: --num-requests, as transformers batches the whole burst)")
+    p.add_argument("--warmup-runs", type=int, default=1, help="per server start")
+    p.add_argument("--repeat-runs", type=int, default=3, help="per server start")
+    p.add_argument("--rounds", type=int, default=1, help="server starts per side, alternating which goes first")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench-serve")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    return p
+
+
+def server_commands(a: argparse.Namespace, model_path: Path, device: str, dtype: str, port: int) -> dict[str, list[str]]:
+    """How each server is started: the same weights, device and dtype; stagewise's batch as wide as the burst."""
+    batch = a.max_batch_size or a.num_requests
+    return {
+        "stagewise": [sys.executable, "-m", "common.cli", "serve", "--stage", a.stage, "--model", a.model,
+                      "--device", device, "--dtype", dtype, "--max-batch-size", str(batch),
+                      "--host", "127.0.0.1", "--port", str(port)],
+        "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_path),
+                         "--continuous-batching", "--device", device, "--dtype", dtype,
+                         "--host", "127.0.0.1", "--port", str(port)],
+    }
+
+
+def free_port() -> int:
+    from common.http_transport import bind_socket
+    with bind_socket("127.0.0.1", 0) as sock:
+        return sock.getsockname()[1]
+
+
+def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+    """Start a server and wait until its /health answers 200 (or it dies, with its log's tail)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env={**os.environ, **OFFLINE}, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve-compare: {shlex.join(cmd)} exited ({proc.returncode}):\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise SystemExit(f"serve-compare: {shlex.join(cmd)} did not answer /health in {START_TIMEOUT_S:g} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT (Ctrl-C: both shut down gracefully), then SIGKILL if it does not end."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def bench(a: argparse.Namespace, url: str, served_name: str, out: Path) -> dict:
+    """bench-serve in its own process against `url`: the burst, warm-up and repeats; its JSON."""
+    cmd = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", url, "--model", served_name,
+           "--tokenizer", a.model, "--prompt", a.prompt, "--unique-prompts", "--num-requests", str(a.num_requests),
+           "--max-new-tokens", str(a.max_new_tokens), "--warmup-runs", str(a.warmup_runs),
+           "--repeat-runs", str(a.repeat_runs), "--json", str(out)]
+    subprocess.run(cmd, cwd=REPO_ROOT, check=True, timeout=a.timeout_s)
+    return json.loads(out.read_text())
+
+
+def run_side(a: argparse.Namespace, side: str, cmd: list[str], url: str, served_name: str, tmp: Path, r: int) -> dict:
+    print(f"=== round {r + 1}/{a.rounds}: {side} ===\n{shlex.join(cmd)}", flush=True)
+    proc = start(cmd, url, tmp / f"{side}.{r}.log")
+    try:
+        return bench(a, url, served_name, tmp / f"{side}.{r}.json")
+    finally:
+        stop(proc)
+
+
+def combine(label: str, cmd: list[str], results: list[dict]) -> dict:
+    """One side's runs from every round, as one bench-shaped entry (medians and spread over them all)."""
+    from common.metrics import median_summary
+    runs = [run for res in results for run in res["runs"]]
+    return {"engine": label, "mode": "http", **median_summary(runs), "runs": runs, "server_command": shlex.join(cmd),
+            "server": results[0].get("server"), "bench_serve_config": results[0].get("config")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    if a.repeat_runs < 1 or a.warmup_runs < 0 or a.rounds < 1:
+        raise SystemExit("serve-compare: --repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
+    from common.loader import model_dir, resolve_device, resolve_dtype
+    device = resolve_device(a.device)
+    dtype = str(resolve_dtype(a.dtype, device)).removeprefix("torch.")
+    path = model_dir(a.model)  # converted once here, before either server starts
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmds = server_commands(a, path, device.type, dtype, port)
+    names = {"stagewise": a.model, "transformers": str(path)}  # what each serves the model as
+    got: dict[str, list[dict]] = {"stagewise": [], "transformers": []}
+    with tempfile.TemporaryDirectory(prefix="stagewise-serve-compare-") as tmp:
+        for r in range(a.rounds):
+            order = ["stagewise", "transformers"] if r % 2 == 0 else ["transformers", "stagewise"]
+            for side in order:
+                got[side].append(run_side(a, side, cmds[side], url, names[side], Path(tmp), r))
+    from common import stages as registry
+    stage = registry.short_name(registry.stage_package(a.stage))
+    ours = combine(f"stagewise serve {stage}", cmds["stagewise"], got["stagewise"])
+    theirs = combine("transformers serve (CB)", cmds["transformers"], got["transformers"])
+    print(format_comparison([ours, theirs]), flush=True)
+    tokens = {side: sorted({run["completion_tokens"] for res in got[side] for run in res["runs"]}) for side in got}
+    same = tokens["stagewise"] == tokens["transformers"] and len(tokens["stagewise"]) == 1
+    print(f"completion tokens per run: stagewise {tokens['stagewise']}, transformers {tokens['transformers']}"
+          f" ({'the same work' if same else 'NOT the same work: compare per token, not per run'})", flush=True)
+    if a.json:
+        write_json(a.json, {"kind": "serve-compare", "command": shlex.join(["stagewise", "serve-compare", *argv]),
+                            "stage": stage, "model": a.model, "device": device.type, "dtype": dtype,
+                            "config": vars(a), "env": collect_env(device.type), "same_completion_tokens": same,
+                            "ratios": comparison_ratios([ours, theirs])[theirs["engine"]],
+                            **ours, "compare": [theirs]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
