@@ -10,7 +10,9 @@ for its turn and stopped after it, so neither inherits the other's process; `--r
 the pair in alternating order, as this machine's speed drifts from minute to minute. The client
 asks for greedy tokens and lets EOS end a request (`transformers serve` refuses vLLM's
 `ignore_eos`), so two correct engines produce the same tokens and do the same work; the JSON
-says whether they did (`same_completion_tokens`).
+says whether they did (`same_completion_tokens`). The burst is the same in every run, so a
+stage with a prefix cache would answer the repeats from it, which is not what a burst of new
+requests costs: stagewise runs with `--no-prefix-cache`, and both servers compute every prompt.
 """
 from __future__ import annotations
 
@@ -55,11 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_commands(a: argparse.Namespace, model_path: Path, device: str, dtype: str, port: int) -> dict[str, list[str]]:
-    """How each server is started: the same weights, device and dtype; stagewise's batch as wide as the burst."""
+    """How each server is started: the same weights, device and dtype; stagewise's batch as wide as
+    the burst, and no prefix cache (the runs repeat one burst)."""
     batch = a.max_batch_size or a.num_requests
     return {
         "stagewise": [sys.executable, "-m", "common.cli", "serve", "--stage", a.stage, "--model", a.model,
-                      "--device", device, "--dtype", dtype, "--max-batch-size", str(batch),
+                      "--device", device, "--dtype", dtype, "--max-batch-size", str(batch), "--no-prefix-cache",
                       "--host", "127.0.0.1", "--port", str(port)],
         "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_path),
                          "--continuous-batching", "--device", device, "--dtype", dtype,

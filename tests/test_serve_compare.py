@@ -28,6 +28,7 @@ def test_both_servers_get_the_same_weights_device_and_dtype() -> None:
         assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "--continuous-batching" in theirs and "/m" in theirs  # the library's scheduler, on our directory
     assert ours[ours.index("--max-batch-size") + 1] == "12"  # the whole burst in one batch, as theirs
+    assert "--no-prefix-cache" in ours  # a repeated burst must not be answered from the cache
     a = serve_compare.build_parser().parse_args(["--max-batch-size", "4"])
     assert "4" in serve_compare.server_commands(a, Path("/m"), "cpu", "float32", 1)["stagewise"]
 
