@@ -1,7 +1,8 @@
 """`stagewise serve`'s app and uvicorn server in a thread of the test process, over a given state.
 
-Shared by tests/test_serve.py (a manager built in the test process) and
-tests/test_engine_process.py (the engine in a process of its own), with the helpers both use.
+Shared by tests/test_serve.py and tests/test_serve_context.py (LiveServer: stage 09's manager
+built in the test process) and tests/test_engine_process.py (the engine in a process of its own),
+with the helpers they use.
 """
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ class ServerThread:
         self.server.handle_exit(signal.SIGTERM, None)
         self.thread.join(30)
         assert not self.thread.is_alive(), "server did not stop"
+
+
+class LiveServer(ServerThread):
+    """Stage 09's manager, built in this process, behind `stagewise serve`'s app in a thread."""
+
+    def __init__(self, loaded: Any, slow_s: float = 0.0, max_batch_size: int = 8, **knobs: Any) -> None:
+        stage = registry.load_stage(9)
+        engine = stage.InferenceEngine(loaded, max_batch_size=max_batch_size, prefix_cache_max_entries=0, **knobs)
+        manager = stage.SchedulerManager(engine, max_batch_size=max_batch_size)
+        if slow_s:  # requests stay in flight long enough to drop or stop them
+            slow_down(manager, slow_s)
+        super().__init__(ServeState(manager, "tiny", "s09"))
 
 
 def slow_down(manager: Any, seconds: float) -> None:
