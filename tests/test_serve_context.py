@@ -13,19 +13,13 @@ import pytest
 
 from common import stages as registry
 from common.requests import ContextLengthExceeded, SamplingParams
-from conftest import TEST_DEVICE, streaming_packages
+from conftest import streaming_packages
 from tests.live_server import LiveServer, wait_for as _wait
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    from common.loader import load_model
-    return load_model("tiny", device=TEST_DEVICE, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def live(loaded):
-    server = LiveServer(loaded)
+def live(tiny):
+    server = LiveServer(tiny)
     yield server
     server.stop()
 
@@ -61,12 +55,12 @@ def test_what_does_not_fit_the_context_window_is_a_400(live) -> None:
 
 
 @pytest.mark.parametrize("package", streaming_packages())
-def test_every_streaming_stage_refuses_what_does_not_fit_when_asked(package: str, loaded) -> None:
+def test_every_streaming_stage_refuses_what_does_not_fit_when_asked(package: str, tiny) -> None:
     """The check is common's (prepare_prompt), so every stage `serve` can run makes it: its
     manager ends such a request with ContextLengthExceeded and serves the next one."""
     stage = registry.load_stage(package)
     strict = dict(truncate_prompt=False, clip_max_new_tokens=False)
-    with stage.SchedulerManager(stage.InferenceEngine(loaded, max_batch_size=2), max_batch_size=2) as manager:
+    with stage.SchedulerManager(stage.InferenceEngine(tiny, max_batch_size=2), max_batch_size=2) as manager:
         window = manager.engine.max_model_len
         for ids, max_new, field in [(list(range(1000, 1000 + window)), 1, "prompt"),
                                     (list(range(1000, 1010)), window - 9, "max_new_tokens")]:
