@@ -7,7 +7,7 @@
     stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
     stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py, serve_cli.py)
     stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/bench_serve.py)
-    stagewise serve-compare --stage 9                      (against `transformers serve`; common/serve_compare.py)
+    stagewise serve-compare [--stage 11]                   (against `transformers serve`; common/serve_compare.py)
     stagewise parity --model NAME --dtype bfloat16        (every stage's tokens against transformers'; common/parity.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
