@@ -233,6 +233,20 @@ class EngineProcess:
             future.set_exception(RuntimeError(why))
 
 
+def call_beside(manager: Any, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+    """`fn(manager, *args)` where the manager lives: through `EngineProcess.call` in the engine's
+    process, or at once in this one; either way a Future, so a caller need not know which."""
+    call = getattr(manager, "call", None)  # EngineProcess
+    if call is not None:
+        return call(fn, *args)
+    done: Future[Any] = Future()
+    try:
+        done.set_result(fn(manager, *args))
+    except Exception as exc:  # as EngineProcess.call delivers it: on the Future
+        done.set_exception(exc)
+    return done
+
+
 def kv_blocks(manager: Any) -> dict | None:
     """The engine's KV pool: free and total blocks (for `/health` and the tests; called
     where the manager lives, in this process or, through `call`, in the engine's)."""

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.engine_process import kv_blocks
+from common.engine_process import call_beside, kv_blocks
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
@@ -101,12 +101,7 @@ class ServeState:
     def kv_blocks(self) -> "Future[dict | None]":
         """The KV pool's free and total blocks, asked of the engine wherever it runs (a Future:
         an engine in its own process answers over its pipe, and the event loop must not wait)."""
-        call = getattr(self.manager, "call", None)  # EngineProcess
-        if call is not None:
-            return call(kv_blocks)
-        done: Future[dict | None] = Future()
-        done.set_result(kv_blocks(self.manager))
-        return done
+        return call_beside(self.manager, kv_blocks)
 
 
 def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:

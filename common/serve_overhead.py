@@ -134,9 +134,8 @@ class Server:
 
     def call(self, fn: Any, *args: Any) -> Any:
         """fn(manager, *args) where the manager lives, and its result."""
-        if self.engine_process:
-            return self.manager.call(fn, *args).result()
-        return fn(self.manager, *args)
+        from common.engine_process import call_beside
+        return call_beside(self.manager, fn, *args).result()
 
     def loop_cpu_s(self) -> float:
         """CPU seconds of all of HTTP's work: the server's thread (uvicorn's event loop), and with
