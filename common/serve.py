@@ -33,6 +33,7 @@ from common.engine_process import call_beside, kv_blocks
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
+from common.serve_metrics import ServeMetrics
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -58,6 +59,7 @@ class ServeState:
         self.max_model_len = int(manager.engine.max_model_len)
         self.vocab_size = len(self.tokenizer)  # token-id prompts are checked against it
         self.shutting_down = False
+        self.metrics = ServeMetrics()  # GET /metrics; counted on the event loop, in generate()
         self._closed = threading.Event()
         self._to_submit: list[tuple[ParsedRequest, asyncio.Future]] = []  # parsed this loop iteration
 
@@ -184,16 +186,23 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
     """
     if state.shutting_down:
         raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
+    metrics = state.metrics
+    tracked = metrics.start()
     submitted = state.submit(req)
     try:
         handle = await submitted
     except asyncio.CancelledError:  # the client left just as the request was submitted: stop it
         if submitted.done() and not submitted.cancelled() and submitted.exception() is None:
             submitted.result().cancel()
+        metrics.end(tracked, "abort")
         raise
     except RuntimeError as exc:  # closed between the check and the call, or the engine's process has ended
+        metrics.end(tracked, None)
         why = f"{SHUTTING_DOWN} ({exc})" if state.shutting_down else str(exc)
         raise APIError(503, why, type_="service_unavailable") from None
+    except BaseException:  # refused by add_request (bad input only the engine sees)
+        metrics.end(tracked, None)
+        raise
     ready = _wake_on_put(handle, asyncio.get_running_loop())
     matcher, n_tokens, ended, stopped = StopMatcher(req.stop), 0, False, False
     try:
@@ -201,6 +210,8 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
             await ready.wait()
             ready.clear()  # before draining: a put from here on sets it again
             chunks, result = handle.drain()
+            if chunks and tracked.first_token is None:
+                metrics.first_token(tracked)
             for chunk in chunks:
                 if stopped:
                     break  # tokens decoded before the cancel landed: not part of the answer
@@ -214,16 +225,20 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
                 continue
             ended = True
             if isinstance(result, BaseException):
+                metrics.end(tracked, None, completion_tokens=n_tokens)
                 raise _api_error(result, req)
             if result.finish_reason == "cancelled" and not stopped:
+                metrics.end(tracked, None, completion_tokens=n_tokens)
                 raise APIError(503, f"{SHUTTING_DOWN}: request cancelled", type_="service_unavailable")
             reason = "stop" if stopped else result.finish_reason
             n = n_tokens if stopped else len(result.token_ids)
+            metrics.end(tracked, reason, len(result.prompt_token_ids), n)
             yield Delta(matcher.flush(), reason, len(result.prompt_token_ids), n)
             return
     finally:
         if not ended:
             handle.cancel()
+            metrics.end(tracked, "abort", completion_tokens=n_tokens)
 
 
 async def _first(agen: AsyncIterator[Delta]) -> Delta:
@@ -305,7 +320,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
 
 
 def build_app(state: ServeState) -> FastAPI:
-    """`/health`, `/v1/models` and FastAPI's answers to everything else (GenerationRoutes has the two POSTs)."""
+    """`/health`, `/metrics`, `/v1/models` and FastAPI's answers to everything else (GenerationRoutes has the two POSTs)."""
     app = FastAPI(title="stagewise", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
 
@@ -327,6 +342,14 @@ def build_app(state: ServeState) -> FastAPI:
         except RuntimeError as exc:  # the engine's process has ended: this server can answer nothing
             raise APIError(503, str(exc), type_="service_unavailable") from None
         return _json({"status": "ok", "stage": state.stage, "model": state.model_name, "kv_blocks": kv})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            kv = await asyncio.wrap_future(state.kv_blocks())
+        except RuntimeError:  # the engine's process has ended: what the server counted still stands
+            kv = None
+        return Response(state.metrics.render(kv), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -116,6 +116,10 @@ def test_serve_over_an_engine_process() -> None:
             got = list(pool.map(stream, PROMPTS * 4))
         assert got == expected * 4
         assert httpx.get(served.url + "/health", timeout=10).json()["kv_blocks"]["free"] > 0
+        metrics = dict(line.rsplit(" ", 1) for line in httpx.get(served.url + "/metrics", timeout=10).text.splitlines()
+                       if not line.startswith("#"))  # the KV pool asked of the engine's process, the rest counted here
+        assert float(metrics["stagewise:kv_cache_usage_perc"]) == 0
+        assert sum(float(metrics[f'stagewise:request_success_total{{finished_reason="{r}"}}']) for r in ("stop", "length")) == 16
         with pytest.raises(openai.BadRequestError) as err:  # refused in the engine's process, named here
             served.client.completions.create(model="tiny", prompt="Hi", max_tokens=500)
         assert (err.value.code, err.value.param) == ("context_length_exceeded", "max_tokens")

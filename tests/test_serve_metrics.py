@@ -1,0 +1,115 @@
+"""`GET /metrics` of `stagewise serve`: Prometheus' text format, counting what the requests did.
+
+The counts are checked against what the clients were told (each response's `usage` and
+`finish_reason`), the gauges against a request held in flight and against `/health`'s KV pool.
+Nothing is timed: the histograms are checked for how many requests they hold, not for values.
+"""
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from conftest import TEST_DEVICE
+from tests.live_server import LiveServer, wait_for
+
+SAMPLE = re.compile(r'^(stagewise:[a-z0-9_]+)(\{[a-z_]+="[^"]*"\})? (\S+)$')
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from common.loader import load_model
+    return load_model("tiny", device=TEST_DEVICE, dtype="float32")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics by name (with its labels), after checking the format: each
+    metric declared with a TYPE, histogram buckets cumulative and ending at +Inf = _count."""
+    resp = httpx.get(url + "/metrics", timeout=10)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    types, samples = {}, {}
+    for line in resp.text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif not line.startswith("# HELP "):
+            m = SAMPLE.match(line)
+            assert m, f"not a Prometheus sample: {line!r}"
+            name, labels, value = m.groups()
+            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+            assert family in types, f"{name} has no TYPE line"
+            samples[name + (labels or "")] = float(value)
+    for name, kind in types.items():
+        if kind == "histogram":
+            buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
+            assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
+            assert f'{name}_bucket{{le="+Inf"}}' in samples
+    return samples
+
+
+def test_metrics_count_what_the_clients_were_told(loaded) -> None:
+    server = LiveServer(loaded)
+    try:
+        before = scrape(server.url)
+        assert before["stagewise:num_requests_running"] == before["stagewise:num_requests_waiting"] == 0
+        assert before["stagewise:generation_tokens_total"] == before["stagewise:time_to_first_token_seconds_count"] == 0
+        ask = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
+        usages, reasons = [], []
+        for prompt, n in (("Hello", 5), ("Once upon a time", 1), ("1, 2, 3,", 7)):
+            got = server.client.completions.create(prompt=prompt, max_tokens=n, **ask)
+            usages.append(got.usage)
+            reasons.append(got.choices[0].finish_reason)
+        chunks = list(server.client.completions.create(prompt="Hi", max_tokens=4, stream=True,
+                                                       stream_options={"include_usage": True}, **ask))
+        usages.append(chunks[-1].usage)
+        reasons.append([c for c in chunks if c.choices][-1].choices[0].finish_reason)
+        full = server.client.completions.create(prompt="Hello", max_tokens=24, **ask)
+        usages.append(full.usage)
+        reasons.append(full.choices[0].finish_reason)
+        text = full.choices[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        got = server.client.completions.create(prompt="Hello", max_tokens=24, stop=[stop], **ask)
+        usages.append(got.usage)
+        reasons.append(got.choices[0].finish_reason)
+        assert reasons == ["length"] * 5 + ["stop"]
+
+        m = scrape(server.url)
+        assert m['stagewise:request_success_total{finished_reason="length"}'] == 5
+        assert m['stagewise:request_success_total{finished_reason="stop"}'] == 1
+        assert m['stagewise:request_success_total{finished_reason="abort"}'] == m["stagewise:request_failure_total"] == 0
+        assert m["stagewise:prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+        assert m["stagewise:generation_tokens_total"] == sum(u.completion_tokens for u in usages)
+        assert m["stagewise:time_to_first_token_seconds_count"] == m["stagewise:e2e_request_latency_seconds_count"] == 6
+        assert m["stagewise:time_per_output_token_seconds_count"] == sum(u.completion_tokens > 1 for u in usages)
+        assert m["stagewise:num_requests_running"] == m["stagewise:num_requests_waiting"] == 0
+        assert m["stagewise:kv_cache_usage_perc"] == 0  # every block back in the pool
+    finally:
+        server.stop()
+
+
+def test_metrics_gauges_aborts_and_failures(loaded) -> None:
+    server = LiveServer(loaded, slow_s=0.02)
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            m = scrape(server.url)
+            assert (m["stagewise:num_requests_running"], m["stagewise:num_requests_waiting"]) == (1, 0)
+            kv = httpx.get(server.url + "/health", timeout=10).json()["kv_blocks"]
+            assert 0 < m["stagewise:kv_cache_usage_perc"] <= 1 and kv["free"] < kv["total"]
+        # the client left: its request is counted as aborted, with the tokens it was sent
+        assert wait_for(lambda: scrape(server.url)['stagewise:request_success_total{finished_reason="abort"}'] == 1)
+        m = scrape(server.url)
+        assert m["stagewise:num_requests_running"] == 0 and m["stagewise:generation_tokens_total"] >= 1
+        assert m["stagewise:e2e_request_latency_seconds_count"] == 0  # an aborted request has no latency
+
+        with pytest.raises(openai.BadRequestError):  # refused by the engine: past the context window
+            server.client.completions.create(model="tiny", prompt="Hi", max_tokens=500)
+        m = scrape(server.url)
+        assert m["stagewise:request_failure_total"] == 1
+        assert m["stagewise:num_requests_running"] == m["stagewise:num_requests_waiting"] == 0
+    finally:
+        server.stop()
