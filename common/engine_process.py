@@ -256,6 +256,13 @@ def kv_blocks(manager: Any) -> dict | None:
     return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
 
 
+def engine_stats(manager: Any) -> dict:
+    """`kv_blocks`, and the engine's own counters from its `kv_stats` (the prefix cache's hits and
+    lookups, where the stage has one) for `/metrics`; called where the manager lives, as kv_blocks."""
+    stats = getattr(manager.engine, "kv_stats", None)
+    return {**(stats() if stats is not None else {}), "kv_blocks": kv_blocks(manager)}
+
+
 # --------------------------------------------------------------------------------- the child
 
 class Outbox:

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.engine_process import call_beside, kv_blocks
+from common.engine_process import call_beside, engine_stats, kv_blocks
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
@@ -104,6 +104,10 @@ class ServeState:
         """The KV pool's free and total blocks, asked of the engine wherever it runs (a Future:
         an engine in its own process answers over its pipe, and the event loop must not wait)."""
         return call_beside(self.manager, kv_blocks)
+
+    def engine_stats(self) -> "Future[dict]":
+        """kv_blocks and the engine's counters (`engine_stats`), asked as kv_blocks is, for /metrics."""
+        return call_beside(self.manager, engine_stats)
 
 
 def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
@@ -346,10 +350,10 @@ def build_app(state: ServeState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            kv = await asyncio.wrap_future(state.kv_blocks())
+            engine = await asyncio.wrap_future(state.engine_stats())
         except RuntimeError:  # the engine's process has ended: what the server counted still stands
-            kv = None
-        return Response(state.metrics.render(kv), media_type="text/plain; version=0.0.4; charset=utf-8")
+            engine = {}
+        return Response(state.metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -101,8 +101,9 @@ class ServeMetrics:
             if tracked.first_token is not None and completion_tokens > 1:
                 self.tpot.observe((now - tracked.first_token) / (completion_tokens - 1))
 
-    def render(self, kv_blocks: dict | None) -> str:
-        """The text a scrape gets (Prometheus exposition format 0.0.4)."""
+    def render(self, engine: dict) -> str:
+        """The text a scrape gets (Prometheus exposition format 0.0.4); `engine` is what the engine
+        said of itself (`common.engine_process.engine_stats`: its KV pool, its prefix cache)."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
@@ -113,9 +114,20 @@ class ServeMetrics:
                [("", self.running)])
         metric("num_requests_waiting", "gauge", "Requests in flight still waiting for their first token "
                "(queued or being prefilled).", [("", self.in_flight - self.running)])
-        if kv_blocks:
-            used = (kv_blocks["total"] - kv_blocks["free"]) / kv_blocks["total"]
+        kv = engine.get("kv_blocks")
+        if kv:
+            used = (kv["total"] - kv["free"]) / kv["total"]
             metric("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (1 = 100%).", [("", used)])
+        if "prefix_cache_hits" in engine:  # stages 05+: requests (05-09: the whole prompt; 10+: a block or more)
+            hits = engine["prefix_cache_hits"]
+            metric("prefix_cache_hit_requests_total", "counter", "Requests whose prompt reused cached KV.", [("", hits)])
+            metric("prefix_cache_query_requests_total", "counter", "Requests looked up in the prefix cache.",
+                   [("", hits + engine["prefix_cache_misses"])])
+        if "prefix_cache_hit_tokens" in engine:  # stages 10+: tokens, as vLLM counts them
+            metric("prefix_cache_hits_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
+                   [("", engine["prefix_cache_hit_tokens"])])
+            metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                   [("", engine["prefix_cache_query_tokens"])])
         metric("prompt_tokens_total", "counter", "Prompt tokens of the requests that finished "
                "(an aborted one's prompt length never reaches the server).", [("", self.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated for the requests that ended, "

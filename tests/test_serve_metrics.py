@@ -113,3 +113,25 @@ def test_metrics_gauges_aborts_and_failures(loaded) -> None:
         assert m["stagewise:num_requests_running"] == m["stagewise:num_requests_waiting"] == 0
     finally:
         server.stop()
+
+
+def test_prefix_cache_counters_are_the_engines(loaded) -> None:
+    """Stage 10's block-level prefix cache: a prompt sent twice reuses its full blocks the second
+    time, and /metrics says what the engine counted, in requests and in tokens."""
+    from common import stages as registry
+    from common.serve import ServeState
+    from tests.live_server import ServerThread
+
+    stage = registry.load_stage(10)
+    engine = stage.InferenceEngine(loaded, max_batch_size=4)
+    server = ServerThread(ServeState(stage.SchedulerManager(engine, max_batch_size=4), "tiny", "s10"))
+    try:
+        prompt = list(range(1000, 1040))  # two full blocks of 16 and a part
+        for _ in range(2):
+            server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        m, stats = scrape(server.url), engine.kv_stats()
+        assert (m["stagewise:prefix_cache_hit_requests_total"], m["stagewise:prefix_cache_query_requests_total"]) == (1, 2)
+        assert m["stagewise:prefix_cache_hits_total"] == stats["prefix_cache_hit_tokens"] == 32
+        assert m["stagewise:prefix_cache_queries_total"] == stats["prefix_cache_query_tokens"] == 80
+    finally:
+        server.stop()
