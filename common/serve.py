@@ -16,6 +16,7 @@ The stage comes from the registry (common/stages.py): this file imports no stage
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -36,6 +37,9 @@ from common.requests import ContextLengthExceeded
 from common.serve_metrics import ServeMetrics
 
 SHUTTING_DOWN = "the server is shutting down"
+# OpenAI's answer to a missing or wrong key; /health and /metrics stay open, as in vLLM
+UNAUTHORIZED = APIError(401, "invalid API key: send the server's --api-key as `Authorization: Bearer <key>`",
+                        code="invalid_api_key")
 
 
 @dataclass
@@ -51,10 +55,12 @@ class Delta:
 class ServeState:
     """What the endpoints share: the manager, the model's name and whether we are shutting down."""
 
-    def __init__(self, manager: Any, model_name: str, stage: str) -> None:
+    def __init__(self, manager: Any, model_name: str, stage: str, api_key: str | None = None) -> None:
         self.manager = manager
         self.model_name = model_name
         self.stage = stage
+        # `Authorization: Bearer <api_key>` on every /v1/ path when set (vLLM's --api-key)
+        self.bearer = None if api_key is None else b"Bearer " + api_key.encode()
         self.tokenizer = manager.engine.tokenizer
         self.max_model_len = int(manager.engine.max_model_len)
         self.vocab_size = len(self.tokenizer)  # token-id prompts are checked against it
@@ -395,8 +401,16 @@ class GenerationRoutes:
         self.app = build_app(state)
         self.routes = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 
+    def authorized(self, scope: Any) -> bool:
+        """The request's `Authorization` header is the server's key (compared in constant time)."""
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self.state.bearer)
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         chat = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if self.state.bearer is not None and scope["type"] == "http" and scope["path"].startswith("/v1/") \
+                and not self.authorized(scope):
+            return await _json(UNAUTHORIZED.body(), UNAUTHORIZED.status)(scope, receive, send)
         if chat is None:
             return await self.app(scope, receive, send)
         request = Request(scope, receive)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import socket
 import sys
 import time
@@ -91,6 +92,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run the engine in a process of its own, as vLLM does, so HTTP's Python never waits "
                         "for the worker's GIL (common/engine_process.py). Off by default: on a 2-core CPU it "
                         "made TTFT no shorter and HTTP's CPU per token larger (docs: Serving)")
+    p.add_argument("--api-key", default=os.environ.get("STAGEWISE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/ (default: $STAGEWISE_API_KEY; unset: open)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sock = bind_socket(args.host, args.port)  # before loading: a taken port fails in a second, not a minute
     manager, stage = start_engine(args)
-    state = ServeState(manager, args.served_model_name or args.model, stage)
+    state = ServeState(manager, args.served_model_name or args.model, stage, api_key=args.api_key)
     server = make_server(state, sock, args.log_level)
     # Everything loaded so far (model, tokenizer, FastAPI) lives as long as the server: freeze it
     # out of the cyclic GC, so a full collection does not walk it and stall every request (vLLM
