@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.engine_process import call_beside, engine_stats, kv_blocks
+from common.http_transport import EventStream
 from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
                                     parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
@@ -128,51 +129,6 @@ def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
 
     handle.set_listener(on_put)
     return ready
-
-
-class EventStream:
-    """A stream of Server-Sent Events, written straight to ASGI's `send` in the request's own task.
-
-    Why not Starlette's StreamingResponse: under uvicorn (ASGI spec 2.3) it runs the stream in a
-    new task of a per-response task group, and a new task first runs one event-loop pass later.
-    In a burst the loop makes all 64 responses in one pass and streams them in the next, so the
-    median request's first token waits for the whole burst's set-up. Its cancel scope, task group
-    and header building also cost more than writing the first chunk. Here the head and the first
-    chunk are written in the pass that makes the response; a small watcher task cancels this one
-    when the client goes away (events()' finally then cancels the request, freeing its blocks).
-    """
-
-    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        self.events = events
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        task, gone = asyncio.current_task(), False
-
-        async def cancel_on_disconnect() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.ensure_future(cancel_on_disconnect())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
-            async for text in self.events:
-                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not gone:
-                raise  # cancelled from outside (server shutdown): not ours to swallow
-            if hasattr(task, "uncancel"):  # Python 3.11+: the cancel we asked for is handled
-                task.uncancel()
-        finally:
-            watcher.cancel()
-            # Cancelled in a send, events() still waits at a yield: close it now (its finally
-            # cancels the request, freeing its blocks) rather than whenever it is collected.
-            await self.events.aclose()
 
 
 def _api_error(exc: BaseException, req: ParsedRequest) -> APIError:

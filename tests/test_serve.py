@@ -403,7 +403,7 @@ def test_event_stream_closes_its_events_when_the_client_leaves_during_a_send() -
     """A send that waits (a full socket buffer) when the client goes: EventStream ends, and its
     events generator is closed before it returns, so the request is cancelled at once, not
     whenever the generator happens to be collected."""
-    from common.serve import EventStream
+    from common.http_transport import EventStream
 
     closed: list[bool] = []
 
