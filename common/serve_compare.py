@@ -79,8 +79,9 @@ def free_port() -> int:
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     """Start a server and wait until its /health answers 200 (or it dies, with its log's tail)."""
     with log.open("w") as out:
+        env = {k: v for k, v in os.environ.items() if k != "STAGEWISE_API_KEY"}  # the client sends no key
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env={**os.environ, **OFFLINE}, start_new_session=True)
+                                env={**env, **OFFLINE}, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -48,7 +48,8 @@ def test_one_side_is_summarized_over_every_server_start() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS_SERVE, reason="this transformers has no `transformers serve`")
-def test_serve_compare_runs_both_servers_end_to_end(tmp_path: Path, capsys) -> None:
+def test_serve_compare_runs_both_servers_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("STAGEWISE_API_KEY", "a key of the user's")  # not for the server it starts: its client sends none
     out = tmp_path / "compare.json"
     assert serve_compare.main(["--model", "tiny", "--device", TEST_DEVICE, "--dtype", "float32", "--num-requests", "4",
                                "--max-new-tokens", "8", "--warmup-runs", "0", "--repeat-runs", "1", "--json", str(out)]) == 0
