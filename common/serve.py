@@ -54,7 +54,7 @@ class Delta:
 
 
 class ServeState:
-    """What the endpoints share: the manager, the model's name and whether we are shutting down."""
+    """What the endpoints share: the manager, the model's name, the API key, the metrics and whether we are shutting down."""
 
     def __init__(self, manager: Any, model_name: str, stage: str, api_key: str | None = None) -> None:
         self.manager = manager
