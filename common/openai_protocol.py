@@ -186,7 +186,14 @@ def _stops(body: dict) -> list[str]:
     return list(stops)
 
 
-def _model(body: dict) -> str | None:
+def check_model(model: str | None, served: str) -> None:
+    """A request may name the served model or none; any other is OpenAI's 404."""
+    if model is not None and model != served:
+        raise APIError(404, f"model: {model!r} is not served here; this server has {served!r}",
+                       type_="not_found_error", param="model", code="model_not_found")
+
+
+def model_field(body: dict) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model", f"must be a string, got {model!r}")
@@ -214,7 +221,7 @@ def parse_completion(body: dict, vocab_size: int, default_max_tokens: int = 16) 
     else:
         raise bad_request("prompt", f"must be a string or a list of token ids, got {prompt!r:.80}")
     stream, include_usage = _stream_fields(body)
-    return ParsedRequest(_model(body), text, ids, _sampling(body, "max_tokens", default_max_tokens),
+    return ParsedRequest(model_field(body), text, ids, _sampling(body, "max_tokens", default_max_tokens),
                          _stops(body), stream, include_usage)
 
 
@@ -243,6 +250,17 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
+def chat_prompt(body: dict, tokenizer: Any, add_generation_prompt: bool = True) -> str:
+    """The body's messages through the tokenizer's chat template, as text."""
+    messages = chat_messages(body)
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("messages", "this model's tokenizer has no chat template; use /v1/completions")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # the template's own checks (e.g. roles that must alternate)
+        raise bad_request("messages", f"the chat template refused them: {exc}") from None
+
+
 def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedRequest:
     """POST /v1/chat/completions: the messages through the tokenizer's chat template."""
     _check_fields(body, CHAT_FIELDS)
@@ -252,16 +270,10 @@ def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedReq
                        param="response_format", code="unsupported_value")
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise bad_request("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
-    messages = chat_messages(body)
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("messages", "this model's tokenizer has no chat template; use /v1/completions")
-    try:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template's own checks (e.g. roles that must alternate)
-        raise bad_request("messages", f"the chat template refused them: {exc}") from None
+    prompt = chat_prompt(body, tokenizer)
     which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     stream, include_usage = _stream_fields(body)
-    return ParsedRequest(_model(body), prompt, None, _sampling(body, which, default_max_tokens),
+    return ParsedRequest(model_field(body), prompt, None, _sampling(body, which, default_max_tokens),
                          _stops(body), stream, include_usage, prompt_field="messages", max_tokens_field=which)
 
 

@@ -32,10 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.engine_process import call_beside, engine_stats, kv_blocks
 from common.http_transport import EventStream
-from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, choice, envelope, new_id, parse_chat,
-                                    parse_completion, parse_json, sse, text_event, usage)
+from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id,
+                                    parse_chat, parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
 from common.serve_metrics import ServeMetrics
+from common.serve_tokenize import add_tokenize_routes
 
 SHUTTING_DOWN = "the server is shutting down"
 # OpenAI's answer to a missing or wrong key; /health and /metrics stay open, as in vLLM
@@ -239,9 +240,7 @@ def _json(data: dict, status: int = 200) -> Response:
 
 
 async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat: bool) -> Response:
-    if req.model is not None and req.model != state.model_name:
-        raise APIError(404, f"model: {req.model!r} is not served here; this server has {state.model_name!r}",
-                       type_="not_found_error", param="model", code="model_not_found")
+    check_model(req.model, state.model_name)
     rid = new_id("chatcmpl" if chat else "cmpl")
     agen = generate(state, req)
     first = await _first(agen)  # errors before the first token keep their status (400, 503, ...)
@@ -286,7 +285,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
 
 
 def build_app(state: ServeState) -> FastAPI:
-    """`/health`, `/metrics`, `/v1/models` and FastAPI's answers to everything else (GenerationRoutes has the two POSTs)."""
+    """`/health`, `/metrics`, `/tokenize`, `/detokenize`, `/v1/models` and FastAPI's answers to everything else (GenerationRoutes has the two POSTs)."""
     app = FastAPI(title="stagewise", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
 
@@ -316,6 +315,8 @@ def build_app(state: ServeState) -> FastAPI:
         except RuntimeError:  # the engine's process has ended: what the server counted still stands
             engine = {}
         return Response(state.metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    add_tokenize_routes(app, state, _json)
 
     @app.get("/v1/models")
     async def models() -> Response:

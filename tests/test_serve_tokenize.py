@@ -1,0 +1,57 @@
+"""`POST /tokenize` and `/detokenize`: the server's own tokenizer, counting as the engine does.
+
+The judge is the engine itself: `/tokenize`'s count must be the `usage.prompt_tokens` that the
+same prompt (or messages) reports through `/v1/completions` (or `/v1/chat/completions`)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import TEST_DEVICE
+from tests.live_server import LiveServer
+
+
+@pytest.fixture(scope="module")
+def live():
+    from common.loader import load_model
+    server = LiveServer(load_model("tiny", device=TEST_DEVICE, dtype="float32"))
+    yield server
+    server.stop()
+
+
+def post(live, path: str, body: dict) -> httpx.Response:
+    return httpx.post(live.url + path, json=body, timeout=10)
+
+
+@pytest.mark.parametrize("prompt", ["Hello", "The capital of France is", "  two  spaces\nand a line"])
+def test_tokenize_counts_what_a_completion_reports(live, prompt: str) -> None:
+    got = post(live, "/tokenize", {"model": "tiny", "prompt": prompt, "return_token_strs": True}).json()
+    usage = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+    assert got["count"] == len(got["tokens"]) == len(got["token_strs"]) == usage.prompt_tokens
+    assert got["max_model_len"] == live.state.max_model_len
+    assert post(live, "/detokenize", {"model": "tiny", "tokens": got["tokens"]}).json() == {"prompt": prompt}
+
+
+def test_tokenize_messages_through_the_chat_template(live) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    got = post(live, "/tokenize", {"messages": messages}).json()
+    usage = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage
+    assert got["count"] == usage.prompt_tokens
+    without = post(live, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert without["count"] < got["count"]  # the assistant's header is what the generation prompt adds
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "Hi", "n": 2}, 400, "n"),
+    ("/tokenize", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+])
+def test_bad_input_in_openai_shape(live, path: str, body: dict, status: int, param: str) -> None:
+    resp = post(live, path, body)
+    assert resp.status_code == status and resp.json()["error"]["param"] == param
