@@ -86,7 +86,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _check_fields(body: dict, allowed: set[str]) -> None:
+def check_fields(body: dict, allowed: set[str]) -> None:
     for name in body:
         if name not in allowed:
             raise APIError(400, f"{name}: unsupported field", param=name, code="unsupported_field")
@@ -202,7 +202,7 @@ def model_field(body: dict) -> str | None:
 
 def parse_completion(body: dict, vocab_size: int, default_max_tokens: int = 16) -> ParsedRequest:
     """POST /v1/completions. One prompt: text, [text], token ids or [token ids]."""
-    _check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -263,7 +263,7 @@ def chat_prompt(body: dict, tokenizer: Any, add_generation_prompt: bool = True) 
 
 def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedRequest:
     """POST /v1/chat/completions: the messages through the tokenizer's chat template."""
-    _check_fields(body, CHAT_FIELDS)
+    check_fields(body, CHAT_FIELDS)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise APIError(400, f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}",

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.openai_protocol import APIError, bad_request, chat_prompt, check_model, model_field, parse_json
+from common.openai_protocol import bad_request, chat_prompt, check_fields, check_model, model_field, parse_json
 from common.tokenizer import encode
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "return_token_strs"}
@@ -22,9 +22,7 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
 def _checked(body: dict, allowed: set[str], served: str) -> None:
-    for name in body:
-        if name not in allowed:
-            raise APIError(400, f"{name}: unsupported field", param=name, code="unsupported_field")
+    check_fields(body, allowed)  # the generation endpoints' own check: an unknown field is a 400
     check_model(model_field(body), served)
 
 
