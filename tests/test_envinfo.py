@@ -67,6 +67,7 @@ def test_a_copy_without_git_takes_its_commit_from_the_command(tmp_path, monkeypa
     """A GPU machine is sent the working tree, not .git: the sender names the commit."""
     monkeypatch.setattr(envinfo, "REPO_ROOT", tmp_path)  # no repository here
     monkeypatch.delenv("STAGEWISE_GIT_COMMIT", raising=False)
+    monkeypatch.delenv("STAGEWISE_GIT_DIRTY", raising=False)  # set where the suite runs on a GPU machine
     assert envinfo.git_info() == {"git_commit": None, "git_dirty": None}
     monkeypatch.setenv("STAGEWISE_GIT_COMMIT", "a" * 40)
     assert envinfo.git_info() == {"git_commit": "a" * 40, "git_dirty": True}  # clean only when said so

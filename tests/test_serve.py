@@ -327,7 +327,8 @@ def test_shutdown_ends_every_in_flight_request_and_releases_the_port(loaded) -> 
 
 @pytest.mark.parametrize("where", [[], ["--engine-process"]], ids=["engine-inside", "engine-process"])
 def test_sigterm_stops_the_serve_process(tmp_path: Path, where: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repo first, and whatever the caller's PYTHONPATH holds after it (the GPU machine's wheels: scripts/gpu_env.sh)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", "tiny", "--device", "cpu",
                              "--port", "0", *where], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
