@@ -53,9 +53,13 @@ call() {  # call N COMMAND: what the Nth call to the GPU machine would run, carr
     bash -c "source scripts/gpu_env.sh && $2"
 }
 
+# README, "CUDA": the same calls in the same order, on the CPU (STAGEWISE_TEST_DEVICE unset),
+# with a short gpt2-random bench in place of the CUDA results, which need a GPU.
 pieces=$(ls -d "$REPO"/.device/gguf-* | wc -l)
 call 1 "python3 -m pytest -q stages tests/test_cuda.py tests/test_parity.py tests/test_prefill.py"
-for i in $(seq 2 "$pieces"); do call "$i" true; done
-call "$pieces" "python3 -m pytest -q --ignore=tests/test_notebooks.py"
+call 2 "python3 -m pytest -q tests $(printf -- '--ignore=tests/test_%s.py ' notebooks smollm2 loader model cuda parity prefill)"
+for i in $(seq 3 "$pieces"); do call "$i" true; done
+call "$pieces" "python3 -m pytest -q tests/test_smollm2.py tests/test_loader.py tests/test_model.py"
 call "$pieces" "python3 -m common.cli parity --dtype float32 --stages 2,9 --json $DIR/parity.json"
+call "$pieces" "python3 -m stages.s11_chunked_prefill.bench --preset post-052 --model gpt2-random --num-requests 8 --max-new-tokens 8 --warmup-runs 0 --repeat-runs 1 --json $DIR/make-bench.json | tail -3"
 echo "gpu_rehearsal: every call passed (on the CPU; $DIR/parity.json names commit $STAGEWISE_GIT_COMMIT)"

