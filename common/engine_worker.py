@@ -45,6 +45,14 @@ def workload_digest(requests: list) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a fresh `python -m ...` of this checkout: the checkout first
+    on PYTHONPATH, whatever was there after it (on a GPU machine, the carried wheels: gpu_env.sh)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def spawn(job: dict, engine: str) -> dict:
     """Run `job` in a fresh `python -m common.engine_worker` and return its JSON.
 
@@ -53,12 +61,10 @@ def spawn(job: dict, engine: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="stagewise-worker-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job, default=str))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         sys.stdout.flush()
         sys.stderr.flush()
         proc = subprocess.Popen([sys.executable, "-m", "common.engine_worker", str(job_path), str(out_path)],
-                                cwd=REPO_ROOT, env=env)
+                                cwd=REPO_ROOT, env=child_env())
         code = proc.wait()
         if code != 0 or not out_path.is_file():
             raise WorkerError(f"{engine}: its worker process (pid {proc.pid}) exited with code {code}"

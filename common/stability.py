@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -24,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from common.bench import write_json
-from common.engine_worker import REPO_ROOT
+from common.engine_worker import REPO_ROOT, child_env
 
 # (result key path, column label, format)
 COLUMNS: list[tuple[tuple[str, ...], str, str]] = [
@@ -79,9 +78,7 @@ def within_processes(results: list[dict]) -> dict | None:
 def run_one(stage: str, bench_argv: list[str], index: int, out: Path) -> dict:
     """One `stagewise bench` in a fresh process; its report is kept quiet, its stderr is not."""
     cmd = [sys.executable, "-m", "common.cli", "bench", "--stage", stage, *bench_argv, "--json", str(out)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join(proc.stdout.splitlines()[-20:])
         raise SystemExit(f"stability: process {index + 1} (stage {stage}) exited with code {proc.returncode}; "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import socket
@@ -24,6 +23,7 @@ import openai
 import pytest
 
 from common.openai_protocol import StopMatcher, choice, envelope, sse, text_event
+from common.engine_worker import child_env
 from common.http_transport import bind_socket
 from conftest import TEST_DEVICE
 from tests.live_server import LiveServer, in_process_texts, wait_for as _wait
@@ -327,10 +327,8 @@ def test_shutdown_ends_every_in_flight_request_and_releases_the_port(loaded) -> 
 
 @pytest.mark.parametrize("where", [[], ["--engine-process"]], ids=["engine-inside", "engine-process"])
 def test_sigterm_stops_the_serve_process(tmp_path: Path, where: list[str]) -> None:
-    # the repo first, and whatever the caller's PYTHONPATH holds after it (the GPU machine's wheels: scripts/gpu_env.sh)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", "tiny", "--device", "cpu",
-                             "--port", "0", *where], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+                             "--port", "0", *where], cwd=REPO, env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", proc.stdout.readline()).group(0)
         assert _wait(lambda: _healthy(url), timeout=60)
