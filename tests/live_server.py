@@ -2,16 +2,19 @@
 
 Shared by tests/test_serve.py and tests/test_serve_context.py (LiveServer: stage 09's manager
 built in the test process) and tests/test_engine_process.py (the engine in a process of its own),
-with the helpers they use.
+with the helpers they use (`scrape`: /metrics read and its format checked, for
+tests/test_serve_metrics.py and test_engine_process.py).
 """
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
 
 from typing import Any, Callable
 
+import httpx
 import openai
 
 from common import stages as registry
@@ -84,3 +87,31 @@ def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+SAMPLE = re.compile(r'^(stagewise:[a-z0-9_]+)(\{[a-z_]+="[^"]*"\})? (\S+)$')
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics by name (with its labels), after checking the format: each
+    metric declared with a TYPE, histogram buckets cumulative and ending at +Inf = _count."""
+    resp = httpx.get(url + "/metrics", timeout=10)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    types, samples = {}, {}
+    for line in resp.text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif not line.startswith("# HELP "):
+            m = SAMPLE.match(line)
+            assert m, f"not a Prometheus sample: {line!r}"
+            name, labels, value = m.groups()
+            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+            assert family in types, f"{name} has no TYPE line"
+            samples[name + (labels or "")] = float(value)
+    for name, kind in types.items():
+        if kind == "histogram":
+            buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
+            assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
+            assert f'{name}_bucket{{le="+Inf"}}' in samples
+    return samples

@@ -22,7 +22,7 @@ from common import serve_cli
 from common.engine_process import EngineProcess, kv_blocks
 from common.serve import ServeState
 from conftest import TEST_DEVICE
-from tests.live_server import ServerThread, in_process_texts, slow_down, wait_for as _wait
+from tests.live_server import ServerThread, in_process_texts, scrape, slow_down, wait_for as _wait
 
 PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 
@@ -116,10 +116,9 @@ def test_serve_over_an_engine_process() -> None:
             got = list(pool.map(stream, PROMPTS * 4))
         assert got == expected * 4
         assert httpx.get(served.url + "/health", timeout=10).json()["kv_blocks"]["free"] > 0
-        metrics = dict(line.rsplit(" ", 1) for line in httpx.get(served.url + "/metrics", timeout=10).text.splitlines()
-                       if not line.startswith("#"))  # the KV pool asked of the engine's process, the rest counted here
-        assert float(metrics["stagewise:kv_cache_usage_perc"]) == 0
-        assert sum(float(metrics[f'stagewise:request_success_total{{finished_reason="{r}"}}']) for r in ("stop", "length")) == 16
+        metrics = scrape(served.url)  # the KV pool asked of the engine's process, the rest counted here
+        assert metrics["stagewise:kv_cache_usage_perc"] == 0
+        assert sum(metrics[f'stagewise:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length")) == 16
         with pytest.raises(openai.BadRequestError) as err:  # refused in the engine's process, named here
             served.client.completions.create(model="tiny", prompt="Hi", max_tokens=500)
         assert (err.value.code, err.value.param) == ("context_length_exceeded", "max_tokens")

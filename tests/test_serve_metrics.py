@@ -6,47 +6,18 @@ Nothing is timed: the histograms are checked for how many requests they hold, no
 """
 from __future__ import annotations
 
-import re
-
 import httpx
 import openai
 import pytest
 
 from conftest import TEST_DEVICE
-from tests.live_server import LiveServer, wait_for
-
-SAMPLE = re.compile(r'^(stagewise:[a-z0-9_]+)(\{[a-z_]+="[^"]*"\})? (\S+)$')
+from tests.live_server import LiveServer, scrape, wait_for
 
 
 @pytest.fixture(scope="module")
 def loaded():
     from common.loader import load_model
     return load_model("tiny", device=TEST_DEVICE, dtype="float32")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of /metrics by name (with its labels), after checking the format: each
-    metric declared with a TYPE, histogram buckets cumulative and ending at +Inf = _count."""
-    resp = httpx.get(url + "/metrics", timeout=10)
-    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
-    types, samples = {}, {}
-    for line in resp.text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            types[name] = kind
-        elif not line.startswith("# HELP "):
-            m = SAMPLE.match(line)
-            assert m, f"not a Prometheus sample: {line!r}"
-            name, labels, value = m.groups()
-            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
-            assert family in types, f"{name} has no TYPE line"
-            samples[name + (labels or "")] = float(value)
-    for name, kind in types.items():
-        if kind == "histogram":
-            buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
-            assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
-            assert f'{name}_bucket{{le="+Inf"}}' in samples
-    return samples
 
 
 def test_metrics_count_what_the_clients_were_told(loaded) -> None:
