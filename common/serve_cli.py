@@ -15,10 +15,14 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.http_transport import bind_socket, http_protocol
 from common.serve import GenerationRoutes, ServeState
+from common.threads import run_at_idle_priority
+
+if TYPE_CHECKING:
+    import torch
 
 
 def make_server(state: ServeState, sock: socket.socket, log_level: str = "warning") -> Any:
@@ -59,7 +63,23 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
     engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
     manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, manager_knobs(args)))
+    if worker_priority(args.worker_priority, loaded.device) == "idle":
+        # The worker has started but not run the model yet, so its OpenMP team, made at its first
+        # parallel region, will inherit the class (common/threads.py).
+        run_at_idle_priority(manager._worker)
     return manager, registry.short_name(package)
+
+
+def worker_priority(choice: str, device: "torch.device") -> str:
+    """`--worker-priority` resolved: auto is idle where the engine computes on the CPU under Linux.
+
+    On a GPU the worker's CPU time is kernel launches that keep the device fed; it is not what the
+    server's event loop is waiting for there, and nobody has measured it: it stays normal."""
+    if choice not in ("auto", "idle", "normal"):
+        raise ValueError(f"worker_priority must be auto, idle or normal, not {choice!r}")
+    if choice == "auto":
+        return "idle" if device.type == "cpu" and hasattr(os, "SCHED_IDLE") else "normal"
+    return choice
 
 
 def start_engine(args: argparse.Namespace) -> tuple[Any, str]:
@@ -92,6 +112,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run the engine in a process of its own, as vLLM does, so HTTP's Python never waits "
                         "for the worker's GIL (common/engine_process.py). Off by default: on a 2-core CPU it "
                         "made TTFT no shorter and HTTP's CPU per token larger (docs: Serving)")
+    p.add_argument("--worker-priority", choices=("auto", "idle", "normal"), default="auto",
+                   help="idle: the engine's worker thread (and its OpenMP threads) in Linux's SCHED_IDLE class, "
+                        "so the event loop and a client on the same machine get a core the moment they wake; "
+                        "anything CPU-bound on the machine then comes first. auto (default): idle when the "
+                        "engine runs on the CPU, normal on a GPU (docs: Serving)")
     p.add_argument("--api-key", default=os.environ.get("STAGEWISE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/ (default: $STAGEWISE_API_KEY; unset: open)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")

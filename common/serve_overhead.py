@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine in its own process, as `stagewise serve --engine-process` runs it "
                         "(the in-process side then runs in that process too)")
+    p.add_argument("--worker-priority", choices=("auto", "idle", "normal"), default="auto",
+                   help="as `stagewise serve`'s: the scheduling class of the worker both sides share")
     p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     return p
@@ -76,7 +78,8 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The server's knobs (both sides use its manager); the prefix cache off, so every run does the same work."""
     flags = ["--device", a.device, "--max-batch-size", str(a.max_batch_size),
              "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1",
-             "--max-queue-delay-ms", str(a.max_queue_delay_ms), "--queue-quiet-ms", str(a.queue_quiet_ms)]
+             "--max-queue-delay-ms", str(a.max_queue_delay_ms), "--queue-quiet-ms", str(a.queue_quiet_ms),
+             "--worker-priority", a.worker_priority]
     return flags + (["--dtype", a.dtype] if a.dtype else [])
 
 
@@ -297,8 +300,11 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
     from common.engine_process import EngineInfo
     engine = server.manager.engine  # an EngineInfo already when the engine has its own process
     info = engine if server.engine_process else EngineInfo.of(engine, server.stage)
+    import torch
+    from common.serve_cli import worker_priority
     meta = {"stage": server.stage, "model": a.model, "device": info.device, "dtype": info.dtype,
-            "engine_process": server.engine_process}
+            "engine_process": server.engine_process,
+            "worker_priority": worker_priority(a.worker_priority, torch.device(info.device))}
     return {**http, "engine": "http"}, local, pairs, meta
 
 

@@ -13,11 +13,17 @@ half as long again as the same step offline (stage 04's page has the before/afte
 hands the model to a worker, it leaves libgomp counting the worker's team alone, which spins as
 it should. If the caller runs parallel work again later, it gets a new team (and the worker is
 slowed again until the next call): call it after the caller's last piece of model work.
+
+`run_at_idle_priority` is the server's half of the same story (`stagewise serve`, docs: Serving):
+it puts the worker, and so the OpenMP team the worker will start, below every other thread of the
+machine in the kernel's scheduler.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what a restart would need
 
@@ -35,3 +41,28 @@ def release_caller_openmp_threads() -> bool:
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
     return pause(OMP_PAUSE_SOFT) == 0
+
+
+def run_at_idle_priority(thread: threading.Thread) -> bool:
+    """Move a started `thread` to Linux's SCHED_IDLE class; True if that was done.
+
+    Why: on a CPU the worker thread and its OpenMP helpers keep every core busy through a decode
+    step. A server's event loop, which writes each token to its client, and a client on the same
+    machine wake for tens of microseconds at a time; a woken thread of the normal class can still
+    wait for the running one's time slice to end before it gets a core. A SCHED_IDLE thread is
+    preempted at once by any normal thread that wakes, and otherwise runs as before: the engine
+    has the CPU whenever nobody else wants it, and gives it up the moment somebody does. The
+    price: anything CPU-bound elsewhere on the machine now comes first, all of the time.
+
+    Call it before the thread's first parallel work: libgomp makes the thread's OpenMP team then,
+    and a new thread starts in its creator's class, so the helpers come out SCHED_IDLE too (a
+    team made earlier would keep the normal class). False, and nothing changed, where the OS has
+    no SCHED_IDLE (not Linux) or refuses.
+    """
+    if not hasattr(os, "SCHED_IDLE") or thread.native_id is None:
+        return False
+    try:
+        os.sched_setscheduler(thread.native_id, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return False
+    return True

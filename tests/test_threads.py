@@ -1,12 +1,15 @@
-"""The hand-over of the CPU's OpenMP threads to a SchedulerManager's worker (common/threads.py).
+"""The hand-over of the CPU's OpenMP threads to a SchedulerManager's worker (common/threads.py),
+and the idle scheduling class `stagewise serve` puts that worker in.
 
 What a CPU test can show without timing anything: the release really ends the calling thread's
 OpenMP helper threads (they are OS threads, visible in /proc/self/task), and every streaming
 stage calls it on the thread that builds the manager, the one whose team must go, not on the
-worker. The speed it buys is a benchmark's business (docs: Metrics).
+worker; the idle class reaches the worker and the OpenMP team it starts, and nothing else. The
+speed both buy is a benchmark's business (docs: Metrics, Serving).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +22,7 @@ import torch
 from common import stages as registry
 from conftest import streaming_packages
 from common.requests import SamplingParams
-from common.threads import release_caller_openmp_threads
+from common.threads import release_caller_openmp_threads, run_at_idle_priority
 
 STREAMING = streaming_packages()
 
@@ -30,7 +33,7 @@ def test_release_ends_the_callers_openmp_threads():
     # A fresh interpreter: the count must not depend on what this test process ran before.
     script = textwrap.dedent("""
         import os, time, torch
-        from common.threads import release_caller_openmp_threads
+        from common.threads import release_caller_openmp_threads, run_at_idle_priority
         tasks = lambda: len(os.listdir("/proc/self/task"))
         torch.set_num_threads(3)
         before = tasks()
@@ -97,3 +100,80 @@ def test_manager_releases_the_callers_threads_before_its_worker_starts(package, 
         assert handle.result(timeout=60).token_ids  # the worker still runs the model
     finally:
         manager.close()
+
+
+IDLE = getattr(os, "SCHED_IDLE", None)
+
+
+@pytest.mark.skipif(IDLE is None or not sys.platform.startswith("linux"), reason="Linux's SCHED_IDLE, /proc/self/task")
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(), reason="torch without OpenMP")
+def test_idle_priority_reaches_the_openmp_team_the_thread_starts_later():
+    # A fresh interpreter, so no OpenMP team exists yet but the one this script makes.
+    script = textwrap.dedent("""
+        import os, threading, torch
+        from common.threads import release_caller_openmp_threads, run_at_idle_priority
+        torch.set_num_threads(3)
+        go, done = threading.Event(), threading.Event()
+        def work():
+            go.wait()
+            torch.randn(4_000_000).add_(1.0)  # a parallel region: the thread's team of 2 helpers starts here
+            done.set()
+            go.clear(); go.wait(5.0)  # keep the team alive while the main thread looks
+        release_caller_openmp_threads()
+        t = threading.Thread(target=work)
+        t.start()
+        moved = run_at_idle_priority(t)
+        go.set(); done.wait(60)
+        idle = sorted(tid for tid in map(int, os.listdir("/proc/self/task"))
+                      if os.sched_getscheduler(tid) == os.SCHED_IDLE)
+        main_normal = os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+        go.set(); t.join()
+        print(moved, len(idle), t.native_id in idle, main_normal)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    moved, idle, worker_idle, main_normal = out.stdout.split()
+    assert moved == "True"
+    assert int(idle) == 3, out.stdout  # the thread and the two helpers it made after the move
+    assert worker_idle == "True" and main_normal == "True", out.stdout
+
+
+def test_idle_priority_is_a_no_op_without_sched_idle(monkeypatch):
+    monkeypatch.delattr(os, "SCHED_IDLE", raising=False)
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    assert run_at_idle_priority(t) is False
+
+
+def _serve_manager(*flags: str):
+    import argparse
+
+    from common import serve_cli
+    p = argparse.ArgumentParser()
+    serve_cli.add_serve_args(p)
+    return serve_cli.build_manager(p.parse_args(["--stage", "9", "--model", "tiny", "--device", "cpu", *flags]))[0]
+
+
+@pytest.mark.skipif(IDLE is None, reason="Linux's SCHED_IDLE")
+@pytest.mark.parametrize("flags, policy", [((), IDLE), (("--worker-priority", "idle"), IDLE),
+                                           (("--worker-priority", "normal"), getattr(os, "SCHED_OTHER", 0))])
+def test_serve_puts_its_cpu_worker_in_the_idle_class_unless_told_not_to(flags, policy):
+    manager = _serve_manager(*flags)
+    try:
+        assert os.sched_getscheduler(manager._worker.native_id) == policy
+        handle = manager.add_request(prompt="Hello", params=SamplingParams(max_new_tokens=3))
+        assert handle.result(timeout=60).token_ids  # and it still runs the model
+    finally:
+        manager.close()
+    assert os.sched_getscheduler(0) == getattr(os, "SCHED_OTHER", 0)  # the caller's own class is untouched
+
+
+def test_worker_priority_auto_is_idle_on_a_cpu_only():
+    from common.serve_cli import worker_priority
+    assert worker_priority("auto", torch.device("cuda")) == "normal"
+    assert worker_priority("normal", torch.device("cpu")) == "normal"
+    assert worker_priority("auto", torch.device("cpu")) == ("idle" if IDLE is not None else "normal")
+    with pytest.raises(ValueError, match="worker_priority"):
+        worker_priority("low", torch.device("cpu"))
