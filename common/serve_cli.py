@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     host, port = sock.getsockname()[:2]
-    print(f"stagewise serve: {stage} {state.model_name!r} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
+    import torch
+    sched = worker_priority(args.worker_priority, torch.device(manager.engine.device))
+    print(f"stagewise serve: {stage} {state.model_name!r} on http://{host}:{port}, its worker in the {sched} "
+          f"scheduling class (Ctrl-C to stop)", flush=True)
     t0 = time.perf_counter()
     try:
         server.run(sockets=[sock])

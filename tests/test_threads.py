@@ -119,24 +119,35 @@ def test_idle_priority_reaches_the_openmp_team_the_thread_starts_later():
             torch.randn(4_000_000).add_(1.0)  # a parallel region: the thread's team of 2 helpers starts here
             done.set()
             go.clear(); go.wait(5.0)  # keep the team alive while the main thread looks
+        def idle_threads():
+            return sorted(tid for tid in map(int, os.listdir("/proc/self/task"))
+                          if os.sched_getscheduler(tid) == os.SCHED_IDLE)
         release_caller_openmp_threads()
         t = threading.Thread(target=work)
         t.start()
         moved = run_at_idle_priority(t)
         go.set(); done.wait(60)
-        idle = sorted(tid for tid in map(int, os.listdir("/proc/self/task"))
-                      if os.sched_getscheduler(tid) == os.SCHED_IDLE)
+        idle = idle_threads()
         main_normal = os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
         go.set(); t.join()
-        print(moved, len(idle), t.native_id in idle, main_normal)
+        # Too late: a thread moved after its first parallel region goes alone, its team stays normal.
+        done.clear()
+        late = threading.Thread(target=work)
+        late.start()
+        go.set(); done.wait(60)
+        run_at_idle_priority(late)
+        idle_late = [tid for tid in idle_threads() if tid not in idle]  # the first team may still be exiting
+        go.set(); late.join()
+        print(moved, len(idle), t.native_id in idle, main_normal, idle_late == [late.native_id])
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    moved, idle, worker_idle, main_normal = out.stdout.split()
+    moved, idle, worker_idle, main_normal, only_late = out.stdout.split()
     assert moved == "True"
     assert int(idle) == 3, out.stdout  # the thread and the two helpers it made after the move
     assert worker_idle == "True" and main_normal == "True", out.stdout
+    assert only_late == "True", out.stdout
 
 
 def test_idle_priority_is_a_no_op_without_sched_idle(monkeypatch):
