@@ -70,12 +70,15 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     return manager, registry.short_name(package)
 
 
+WORKER_PRIORITIES = ("auto", "idle", "normal")  # --worker-priority's choices
+
+
 def worker_priority(choice: str, device: "torch.device") -> str:
     """`--worker-priority` resolved: auto is idle where the engine computes on the CPU under Linux.
 
     On a GPU the worker's CPU time is kernel launches that keep the device fed; it is not what the
     server's event loop is waiting for there, and nobody has measured it: it stays normal."""
-    if choice not in ("auto", "idle", "normal"):
+    if choice not in WORKER_PRIORITIES:
         raise ValueError(f"worker_priority must be auto, idle or normal, not {choice!r}")
     if choice == "auto":
         return "idle" if device.type == "cpu" and hasattr(os, "SCHED_IDLE") else "normal"
@@ -112,7 +115,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run the engine in a process of its own, as vLLM does, so HTTP's Python never waits "
                         "for the worker's GIL (common/engine_process.py). Off by default: on a 2-core CPU it "
                         "made TTFT no shorter and HTTP's CPU per token larger (docs: Serving)")
-    p.add_argument("--worker-priority", choices=("auto", "idle", "normal"), default="auto",
+    p.add_argument("--worker-priority", choices=WORKER_PRIORITIES, default="auto",
                    help="idle: the engine's worker thread (and its OpenMP threads) in Linux's SCHED_IDLE class, "
                         "so the event loop and a client on the same machine get a core the moment they wake; "
                         "anything CPU-bound on the machine then comes first. auto (default): idle when the "

@@ -40,6 +40,7 @@ TARGETS = {"throughput_loss_pct": 10.0, "ttft_p50_added_ms": 5.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from common.serve_cli import WORKER_PRIORITIES
     p = argparse.ArgumentParser(prog="stagewise serve-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", default="9")
     p.add_argument("--model", default="smollm2-135m")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine in its own process, as `stagewise serve --engine-process` runs it "
                         "(the in-process side then runs in that process too)")
-    p.add_argument("--worker-priority", choices=("auto", "idle", "normal"), default="auto",
+    p.add_argument("--worker-priority", choices=WORKER_PRIORITIES, default="auto",
                    help="as `stagewise serve`'s: the scheduling class of the worker both sides share")
     p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")

@@ -33,7 +33,7 @@ def test_release_ends_the_callers_openmp_threads():
     # A fresh interpreter: the count must not depend on what this test process ran before.
     script = textwrap.dedent("""
         import os, time, torch
-        from common.threads import release_caller_openmp_threads, run_at_idle_priority
+        from common.threads import release_caller_openmp_threads
         tasks = lambda: len(os.listdir("/proc/self/task"))
         torch.set_num_threads(3)
         before = tasks()
