@@ -20,8 +20,6 @@ from __future__ import annotations
 import inspect
 import time
 
-import torch
-
 from common.requests import Completion, Request, prepare_prompt
 from common.threads import release_caller_openmp_threads
 

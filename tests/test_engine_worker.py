@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from common import floor
 from common.engine_worker import WorkerError, spawn

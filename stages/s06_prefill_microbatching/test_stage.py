@@ -18,7 +18,7 @@ import torch
 
 from common.requests import Request, SamplingParams
 from common.tokenizer import encode
-from stages.s06_prefill_microbatching import InferenceEngine, OnlineRequest, OnlineScheduler, OutOfKVBlocks, SchedulerManager
+from stages.s06_prefill_microbatching import InferenceEngine, OnlineRequest, OnlineScheduler, SchedulerManager
 
 P7 = "Tell me a story about a cat"  # 7 tokens
 P12 = "one two three four five six seven eight nine ten eleven twelve"  # 12 tokens
