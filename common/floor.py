@@ -103,6 +103,35 @@ def read_floor_ms(nbytes: int, dtype: torch.dtype, device: torch.device, *, repe
     return _median_ms(buf.sum, device, warmup=2, repeats=repeats)
 
 
+def _no_attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """An attention that reads no K/V: each query row comes back as its own output ([B, T, Hq, D])."""
+    return q
+
+
+@torch.inference_mode()
+def attention_free_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repeats: int = 30,
+                      min_time_s: float = 0.0) -> float:
+    """Median time (ms) of the model's whole one-token forward for `batch` rows with attention
+    replaced by a no-op, and the greedy pick of every row's next token: the embedding, norms, RoPE,
+    activations, residual adds and matmuls of a decode step, op by op as eager PyTorch runs them.
+
+    Why: the matmul floor leaves out every other op of the forward, and `read_floor_ms` the K/V.
+    A stage's step runs both, one after the other, so this plus reading the step's K/V once is the
+    least any attention design can reach with this model's forward; what a step costs above that
+    sum is its attention's (and its engine's) own."""
+    weight = decode_matmuls(model)[0][0]
+    device = weight.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(device)  # [B, 1]
+    positions = torch.ones((batch, 1), dtype=torch.long, device=device)  # [B, 1]
+    first = torch.zeros(batch, dtype=torch.long, device=device)  # [B]: the only token of each row
+
+    def step() -> None:
+        model(ids, positions, _no_attention, logits_indices=first).argmax(-1)  # [B]
+
+    return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
+
+
 class FloorSampler:
     """Samples the floor after every timed run, so that it sees the machine the runs saw.
 

@@ -23,6 +23,11 @@ The matmul floor leaves out the K/V, which a step must read too: `kv_read_floor_
 to read those bytes once (every row's cached tokens, every layer; `kv_bytes_per_step`) at the
 speed this machine streams memory, measured in the same process (common/floor.py), and
 `attention_vs_kv_read_floor` compares the attention and kv_cache groups with it.
+`attention_free_step_ms` is the same model's forward for the batch with attention replaced by a
+no-op, and the greedy pick (common/floor.py): every other op of a step, as eager PyTorch runs
+them. `x_floor_bound` = (that + the K/V read floor) / the matmul floor is the least `x floor` any
+attention design reaches with this forward at this batch and context, since a step runs the two
+one after the other; a stage's `x floor` above it is its attention's and its engine's cost.
 The groups are shares of the profiled step (the profiler adds a few microseconds per op, and
 Python between ops shows in no op); `decode_step_ms` is the unprofiled median.
 
@@ -154,12 +159,13 @@ class DecodeWindow:
         self.forward = model.forward
         self.starts: list[float] = []
         self.prof: Any = None
+        self.active = False  # only forwards inside run() count (the floors call the model too)
         model.forward = self  # instance attribute: nn.Module.__call__ finds it
 
     def __call__(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # A decode step starts (and the previous one ended): one token per row, as `[B, 1]`, or
         # packed as `[1, B]` (stage 11's steps). A prefill (or a chunk of one) has more tokens.
-        if ids.numel() == self.batch:
+        if self.active and ids.numel() == self.batch:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             n = len(self.starts)
@@ -175,13 +181,17 @@ class DecodeWindow:
         self.starts = []
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.prof = profile(activities=activities) if profiled else None
-        engine.generate(requests)
+        self.active = True
+        try:
+            engine.generate(requests)
+        finally:
+            self.active = False
         window = self.starts[self.SKIP:self.SKIP + self.steps + 1]
         return [(b - a) * 1000.0 for a, b in zip(window, window[1:])]
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.floor import decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms
+    from common.floor import attention_free_ms, decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms
     from common.requests import Request, SamplingParams
     from common.workloads import model_token_range, random_token_ids
 
@@ -201,6 +211,7 @@ def measure(a: argparse.Namespace) -> dict:
     floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
     times = window.run(engine, requests, profiled=False)
     floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
+    free_ms = attention_free_ms(loaded.model, a.batch, min_time_s=0.3)  # same minutes as the floors
     window.run(engine, requests, profiled=True)
     cuda = loaded.device.type == "cuda"
     ops = op_table(window.prof, a.steps, kernels=cuda)
@@ -231,6 +242,8 @@ def measure(a: argparse.Namespace) -> dict:
         "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm else None,
         "kv_context_tokens": context, "kv_bytes_per_step": kv_bytes, "kv_read_floor_ms": kv_floor,
         "attention_vs_kv_read_floor": kv_ms / kv_floor if kv_floor else None,
+        "attention_free_step_ms": free_ms,
+        "x_floor_bound": (free_ms + kv_floor) / floor_ms if floor_ms else None,
         **kernel,
         "ops": ops[:max(a.top, 40)],
     }
@@ -250,6 +263,11 @@ def format_profile(r: dict, top: int) -> str:
                      f"{r['kv_context_tokens']:.0f} tokens, every layer), {r['kv_read_floor_ms']:.3f} ms at this "
                      f"machine's memory speed; attention and KV cache ops took {kv_ms:.2f} ms "
                      f"= {r['attention_vs_kv_read_floor']:.2f}x that")
+    if "x_floor_bound" in r:
+        lines.append(f"Without attention (the same forward, attention a no-op, greedy pick): "
+                     f"{r['attention_free_step_ms']:.2f} ms = {r['attention_free_step_ms'] / r['floor_ms']:.2f}x floor; "
+                     f"with the K/V read once on top: x floor {r['x_floor_bound']:.2f}, the least any attention "
+                     f"reaches with this forward")
     if "kernel_ms_per_step" in r:  # a CUDA profile
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from common import profile_decode
 
@@ -31,6 +32,10 @@ def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     assert r["kv_context_tokens"] == pytest.approx(9 + 4 + 1.5 + 1) and r["kv_read_floor_ms"] > 0
     kv_ms = r["groups_ms_profiled"]["attention"] + r["groups_ms_profiled"]["kv_cache"]
     assert r["attention_vs_kv_read_floor"] == pytest.approx(kv_ms / r["kv_read_floor_ms"])
+    # The forward without attention is measured between the windows (it calls the model too, and
+    # the window above still holds 4 steps) and gives the bound with the K/V read floor.
+    assert r["attention_free_step_ms"] > 0
+    assert r["x_floor_bound"] == pytest.approx((r["attention_free_step_ms"] + r["kv_read_floor_ms"]) / r["floor_ms"])
 
 
 def test_profile_decode_finds_the_full_batch_under_chunked_prefill(tmp_path: Path) -> None:
@@ -83,3 +88,26 @@ def test_kv_bytes_and_the_read_floor() -> None:
     assert read_floor_ms(1 << 16, torch.float32, torch.device("cpu"), repeats=3) > 0
     with pytest.raises(ValueError, match="nbytes"):
         read_floor_ms(0, torch.float32, torch.device("cpu"))
+
+
+def test_attention_free_forward_is_one_token_per_row_and_reads_no_kv(tiny) -> None:
+    """attention_free_ms times the model's own forward, one token for each of B rows with the last
+    row's logits only, and an attention that hands back q: no K/V anywhere (common/floor.py)."""
+    from common.floor import attention_free_ms
+
+    model, calls = tiny.model, []
+    forward = model.forward
+
+    def spy(ids, positions, attention, logits_indices=None):
+        out = attention(0, *(torch.randn(ids.shape[0], 1, h, model.config.head_dim)
+                             for h in (model.config.num_heads, model.config.num_kv_heads, model.config.num_kv_heads)))
+        calls.append((tuple(ids.shape), tuple(positions.shape), tuple(out.shape), tuple(logits_indices.shape)))
+        return forward(ids, positions, attention, logits_indices=logits_indices)
+
+    model.forward = spy
+    try:
+        assert attention_free_ms(model, 5, warmup=2, repeats=3) > 0
+    finally:
+        del model.forward
+    H = model.config.num_heads
+    assert calls == [((5, 1), (5, 1), (5, 1, H, model.config.head_dim), (5,))] * 5  # 2 warm-ups + 3 timed
