@@ -119,8 +119,7 @@ def attention_free_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, re
     A stage's step runs both, one after the other, so this plus reading the step's K/V once is the
     least any attention design can reach with this model's forward; what a step costs above that
     sum is its attention's (and its engine's) own."""
-    weight = decode_matmuls(model)[0][0]
-    device = weight.device
+    device = model.lm_head_weight.device
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(device)  # [B, 1]
     positions = torch.ones((batch, 1), dtype=torch.long, device=device)  # [B, 1]
