@@ -423,7 +423,7 @@ def _greedy_no_eos(hf_model, prompt_ids: list[int], n: int) -> list[int]:
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(n):
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            logits = hf_model(torch.tensor([ids], device=hf_model.device)).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt_ids):]
 

@@ -73,7 +73,8 @@ class PrefillAttention:
             length = mask.shape[1]
             ki, vi = keys.view(1, Hkv, -1, D)[:, :, :length], values.view(1, Hkv, -1, D)[:, :, :length]  # [1, Hkv, length, D]
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)  # [1, Hkv, G * n, D]
-            out[offset:offset + n] = oi.view(Hq, n, D).transpose(0, 1)  # [n, Hq, D]
+            # reshape, not view: CUDA's SDPA kernels may hand back oi in a [1, G * n, Hkv, D] layout
+            out[offset:offset + n] = oi.reshape(Hq, n, D).transpose(0, 1)  # [n, Hq, D]
         return out[None]  # [1, S, Hq, D]
 
 
