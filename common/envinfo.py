@@ -31,12 +31,14 @@ def _git(*args: str) -> str | None:
 
 
 def git_info() -> dict:
-    commit = _git("rev-parse", "HEAD")
-    if commit is None and os.environ.get("STAGEWISE_GIT_COMMIT"):
-        # A copy of the working tree without its .git (what a GPU machine is sent, README "CUDA"):
-        # the command that sent it says which commit it is, and whether it had uncommitted edits.
+    if os.environ.get("STAGEWISE_GIT_COMMIT"):
+        # A copy of the working tree sent to a GPU machine (README "CUDA"): the command that sent
+        # it says which commit it is, and whether it had uncommitted edits. It wins over a .git
+        # found there, which can be older than the tree: the device tool's copy once carried the
+        # session's first commit, and results of later code said that commit, dirty.
         return {"git_commit": os.environ["STAGEWISE_GIT_COMMIT"],
                 "git_dirty": os.environ.get("STAGEWISE_GIT_DIRTY", "1") not in ("0", "")}
+    commit = _git("rev-parse", "HEAD")
     # Tracked code only: the result files being written, the committed results an earlier run in
     # the same batch rewrote (docs/results/), and new unused files do not change what is measured,
     # so they must not mark a run made from a clean checkout as dirty.

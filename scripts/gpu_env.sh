@@ -3,12 +3,14 @@
 #     export STAGEWISE_GIT_COMMIT=<sha> STAGEWISE_GIT_DIRTY=0   # what was sent: no .git travels
 #     source scripts/gpu_env.sh && STAGEWISE_TEST_DEVICE=cuda python3 -m pytest -q
 #
-# It uses what `scripts/gpu_bundle.py` packed into .device/ here (README, "CUDA"). Each call may
-# carry .device/base and one piece of the GGUF; everything is kept under $STASH, which outlives
-# a call for as long as the machine stays warm, so a later call needs to carry only what is new:
-#   - the wheels, installed once into $STASH/site (ahead of the image's packages on PYTHONPATH);
-#   - the converted tokenizer, copied into the model cache, from which `tiny` and `gpt2-random`
-#     are built there;
+# It uses what `scripts/gpu_bundle.py` packed into .device/ here (README, "CUDA"). Each call
+# carries .device/base and one piece of the GGUF, the first .device/whl too; everything is kept
+# under $STASH, which outlives a call for as long as the machine stays warm (30 s), so a later
+# call needs to carry only what is new:
+#   - the wheels (.device/whl), installed once into $STASH/site (ahead of the image's packages
+#     on PYTHONPATH);
+#   - the converted tokenizer (.device/base), copied into the model cache, from which `tiny` and
+#     `gpt2-random` are built there;
 #   - the GGUF's pieces, joined and checked against their sha256 once all have come: then
 #     `--model smollm2-135m` converts it there (~30 s, once per machine) like `make venv` does here.
 
@@ -17,11 +19,11 @@ SITE=$STASH/site
 mkdir -p "$STASH/gguf" "$SITE" "$STASH/cache"
 if [ -d .device/base ]; then
     cp -r .device/base/gguf.sha256 "$STASH/" 2>/dev/null
-    if [ ! -e "$SITE/.installed" ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$SITE" .device/base/whl/*.whl && touch "$SITE/.installed"
-    fi
     [ -d "$STASH/cache/smollm2-135m-tokenizer" ] || cp -r .device/base/smollm2-135m-tokenizer "$STASH/cache/"
+fi
+if [ -d .device/whl ] && [ ! -e "$SITE/.installed" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .device/whl/*.whl && touch "$SITE/.installed"
 fi
 for piece in .device/gguf-*/*.part*; do
     [ -e "$piece" ] && cp "$piece" "$STASH/gguf/"
@@ -49,8 +51,8 @@ if [ -f "$STASH/gguf.sha256" ]; then
         gguf_state="$have of $want pieces"
     fi
 fi
-if [ ! -d .git ] && [ -z "${STAGEWISE_GIT_COMMIT:-}" ]; then
-    echo "gpu_env: no .git here and no STAGEWISE_GIT_COMMIT: result files will name no commit" >&2
+if [ -z "${STAGEWISE_GIT_COMMIT:-}" ]; then  # a .git there may be older than the tree sent (envinfo.git_info)
+    echo "gpu_env: no STAGEWISE_GIT_COMMIT: result files will name $([ -d .git ] && echo "the .git found here, maybe stale" || echo "no commit")" >&2
 fi
 echo "gpu_env: commit ${STAGEWISE_GIT_COMMIT:-from .git} (dirty=${STAGEWISE_GIT_DIRTY:-1}), wheels $([ -e "$SITE/.installed" ] && echo installed || echo MISSING)," \
      "tokenizer $([ -d "$STASH/cache/smollm2-135m-tokenizer" ] && echo ready || echo MISSING)," \

@@ -30,6 +30,8 @@ def repo(tmp_path, monkeypatch):
     git("add", "-A")
     git("commit", "-qm", "init")
     monkeypatch.setattr(envinfo, "REPO_ROOT", tmp_path)
+    for name in ("STAGEWISE_GIT_COMMIT", "STAGEWISE_GIT_DIRTY"):  # set where the suite runs on a GPU machine
+        monkeypatch.delenv(name, raising=False)
     return tmp_path
 
 
@@ -75,10 +77,13 @@ def test_a_copy_without_git_takes_its_commit_from_the_command(tmp_path, monkeypa
     assert envinfo.git_info() == {"git_commit": "a" * 40, "git_dirty": False}
 
 
-def test_the_repository_wins_over_the_variable(repo, monkeypatch) -> None:
+def test_the_variable_wins_over_a_stale_repository(repo, monkeypatch) -> None:
+    """On the GPU machine a .git at an older commit came with the tree: the sender knows better."""
     monkeypatch.setenv("STAGEWISE_GIT_COMMIT", "b" * 40)
     monkeypatch.setenv("STAGEWISE_GIT_DIRTY", "0")
-    assert envinfo.git_info()["git_commit"] != "b" * 40
+    assert envinfo.git_info() == {"git_commit": "b" * 40, "git_dirty": False}
+    monkeypatch.delenv("STAGEWISE_GIT_COMMIT")
+    assert envinfo.git_info()["git_commit"] not in (None, "b" * 40)  # unset: the repository's own
 
 
 def test_env_names_the_cpu_kernels_and_reads_family_and_flags_from_cpuinfo(tmp_path, monkeypatch) -> None:
