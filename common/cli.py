@@ -66,7 +66,8 @@ def cmd_ladder(argv: list[str]) -> int:
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
 SUBPROGRAMS = {"serve": "common.serve_cli", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
                "serve-compare": "common.serve_compare", "stability": "common.stability", "profile-decode": "common.profile_decode",
-               "profile-prefill": "common.profile_prefill", "parity": "common.parity"}
+               "profile-prefill": "common.profile_prefill", "parity": "common.parity",
+               "worker-probe": "common.worker_probe"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stagewise serve against transformers serve, same client and workload (common/serve_compare.py)")
     sub.add_parser("parity", add_help=False,
                    help="every stage's greedy tokens against transformers' generate (common/parity.py)")
+    sub.add_parser("worker-probe", add_help=False,
+                   help="a streaming stage's bench with stopwatches on its worker (common/worker_probe.py)")
     return parser
 
 

@@ -1,0 +1,155 @@
+"""Where a streaming stage's worker spends a benchmark run: decode steps, prefills, the rest.
+
+    stagewise worker-probe --stage 9 --preset post-052 --model gpt2-random --json /tmp/probe.json
+
+Why: a TPOT is what a request sees, a decode step what the engine does; when the two part (on
+an H200, stage 09 under post 052's load gave a token every 19.7 ms while its decode step,
+profiled alone at the same batch, took 4.3 ms), the difference is spent somewhere in the worker
+thread or waiting for it, and neither the bench nor `profile-decode` says where. torch.profiler
+records only the thread that started it, and the worker is a thread the bench does not own.
+
+So this runs the stage's own bench unchanged, in this process (one engine, so the bench does
+not fork one), with a stopwatch around the worker's three kinds of work, on the stage's classes:
+
+- `decode`: `SchedulerManager._run_decode_once`, one decode step and pushing its tokens out;
+  inside it `step`, the scheduler's `step()` (the forward, sampling, the sessions' bookkeeping),
+  whose difference from `decode` is the pushing: detokenizing, flushing, the queues' puts;
+- `prefill`: the scheduler's `add_requests` (stage 06 on; `add_request` before), the prefills;
+- the rest of the worker's wall time: the loop, waiting for work, and its admission bookkeeping.
+
+Time a thread waits for the GIL inside a section counts in that section: a `step` slower here
+than in `profile-decode` at the same batch is the other threads (the bench's submitter and its
+consumer per stream) taking the interpreter from the worker. Every bench flag works; the worker
+section is added to the bench's own JSON. The timers are perf_counter calls, a microsecond each.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+
+Event = tuple[str, float, float, int]  # (section, start, seconds, rows: batch or prompts)
+
+
+class Stopwatch:
+    """Events of the worker's sections, one list per SchedulerManager (the bench makes one a run)."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[Event]] = []
+
+    def wrap(self, cls: type, name: str, section: str, rows: Callable[[tuple, Any], int]) -> None:
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = original(obj, *args, **kwargs)
+            if self.runs:
+                self.runs[-1].append((section, start, time.perf_counter() - start, rows(args, out)))
+            return out
+
+        setattr(cls, name, timed)
+
+    def new_run(self, cls: type) -> None:
+        original = cls.__init__
+
+        @functools.wraps(original)  # the bench reads the signature to pass only the knobs a stage takes
+        def init(obj: Any, *args: Any, **kwargs: Any) -> None:
+            self.runs.append([])
+            original(obj, *args, **kwargs)
+
+        cls.__init__ = init
+
+
+def instrument(stage_package: str) -> Stopwatch:
+    """Stopwatches on the stage's SchedulerManager and OnlineScheduler classes (this process only)."""
+    server = importlib.import_module(f"{stage_package}.server")
+    scheduler = importlib.import_module(f"{stage_package}.scheduler").OnlineScheduler
+    watch = Stopwatch()
+    watch.new_run(server.SchedulerManager)
+    watch.wrap(server.SchedulerManager, "_run_decode_once", "decode", lambda a, out: 0)
+    watch.wrap(scheduler, "step", "step", lambda a, out: len(out))
+    if hasattr(scheduler, "add_requests"):
+        watch.wrap(scheduler, "add_requests", "prefill", lambda a, out: len(a[0]))
+    else:
+        watch.wrap(scheduler, "add_request", "prefill", lambda a, out: 1)
+    return watch
+
+
+def summarize_run(events: list[Event]) -> dict[str, Any]:
+    """One run's sections: counts, milliseconds each, and shares of the worker's wall time."""
+    by = {s: [e for e in events if e[0] == s] for s in ("decode", "step", "prefill")}
+    wall = max(e[1] + e[2] for e in events) - min(e[1] for e in events)
+    total = {s: sum(e[2] for e in evs) for s, evs in by.items()}
+    steps, prefills = by["step"], by["prefill"]
+    rest = wall - total["decode"] - total["prefill"]
+    return {
+        "worker_wall_s": wall,
+        "decode_steps": len(steps),
+        "step_ms": 1e3 * statistics.median(e[2] for e in steps) if steps else None,
+        "decode_ms": 1e3 * statistics.median(e[2] for e in by["decode"]) if by["decode"] else None,
+        "push_ms_mean": 1e3 * (total["decode"] - total["step"]) / len(steps) if steps else None,
+        "batch_mean": sum(e[3] for e in steps) / len(steps) if steps else None,
+        "step_tokens": sum(e[3] for e in steps),
+        "prefills": len(prefills),
+        "prefill_ms": 1e3 * statistics.median(e[2] for e in prefills) if prefills else None,
+        "prompts_per_prefill": sum(e[3] for e in prefills) / len(prefills) if prefills else None,
+        "share": {"decode": total["decode"] / wall, "prefill": total["prefill"] / wall, "rest": rest / wall},
+    }
+
+
+def worker_fields(watch: Stopwatch, warmup_runs: int) -> dict[str, Any]:
+    """Every measured run's sections, and the medians across them (the bench's own convention)."""
+    runs = [summarize_run(r) for r in watch.runs[warmup_runs:] if r]
+    if not runs:
+        raise SystemExit("worker-probe: the bench made no SchedulerManager (is this stage 04+, --mode streaming?)")
+    med = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
+    med["share"] = {k: statistics.median(r["share"][k] for r in runs) for k in runs[0]["share"]}
+    return {**med, "runs": runs}
+
+
+def report(w: dict[str, Any], result: dict[str, Any]) -> str:
+    share = w["share"]
+    return "\n".join([
+        f"Worker, medians of {len(w['runs'])} measured runs (stopwatches on the stage's own classes):",
+        f"  decode steps: {w['decode_steps']:.0f}, {w['decode_ms']:.2f} ms each: scheduler.step {w['step_ms']:.2f} ms "
+        f"+ pushing tokens {w['push_ms_mean']:.2f} ms; mean batch {w['batch_mean']:.1f}",
+        f"  prefills: {w['prefills']:.0f}, {w['prefill_ms']:.2f} ms each, {w['prompts_per_prefill']:.1f} prompts each",
+        f"  worker wall {w['worker_wall_s']:.2f} s: decode {100 * share['decode']:.0f} %, prefill "
+        f"{100 * share['prefill']:.0f} %, the rest (loop, waiting, admission) {100 * share['rest']:.0f} %",
+        f"  against what requests saw: TPOT p50 {result['tpot_ms']['p50']:.2f} ms, ITL p50 {result['itl_ms']['p50']:.2f} ms",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="stagewise worker-probe", description=__doc__.split("\n\n")[0],
+                                epilog="Every other flag goes to the stage's bench unchanged (one engine: no --compare).")
+    p.add_argument("--stage", required=True, help="stage number or name, 04 or later")
+    p.add_argument("--json", default=None, metavar="PATH", help="the bench's result with a `worker` section added")
+    a, bench_argv = p.parse_known_args(argv)
+    if "--compare" in bench_argv or "--baseline" in bench_argv:
+        raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
+    from common.bench import parse_bench_args, run_stage_bench, write_result
+    from common.cli import resolve_stage
+
+    package = resolve_stage(a.stage)
+    watch = instrument(package)
+
+    result = run_stage_bench(package, bench_argv)
+    warmup = parse_bench_args(importlib.import_module(package), bench_argv).warmup_runs
+    result["worker"] = worker_fields(watch, warmup)
+    print(report(result["worker"], result), flush=True)
+    if a.json:
+        write_result(a.json, result, "worker-probe", argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
