@@ -2,22 +2,26 @@
 
     make venv && .venv/bin/python scripts/gpu_bundle.py     # here, once: writes .device/
 
-Then, on the GPU machine (the working tree copied there, with the folders this prints):
+Then, on the GPU machine (the working tree copied there, with the folders this prints), two
+calls back to back (scripts/gpu_session.sh says what each runs):
 
-    source scripts/gpu_env.sh && STAGEWISE_TEST_DEVICE=cuda python3 -m pytest -q --ignore=tests/test_notebooks.py
+    bash scripts/gpu_session.sh stash      # carrying .device/base, .device/whl, .device/gguf-1
+    bash scripts/gpu_session.sh run        # carrying .device/base, .device/gguf-2
 
 Why it looks like this: the GPU machines this project borrows have Python 3.12 with a CUDA build
 of torch and transformers, no package index, and take at most 64 MiB of files per call. So the
 bundle holds only what their image lacks, in the exact versions `make venv` installed here:
 
-- `.device/base/whl/`: wheels of the serving and client stack (FastAPI, uvicorn, the openai SDK,
+- `.device/base/smollm2-135m-tokenizer/`: the converted tokenizer (3 MB), carried by every call.
+  `tiny` and `gpt2-random` are built there from it, so no model travels for the tests or for
+  timing, and a call that finds a fresh machine can still time `gpt2-random`.
+- `.device/whl/`: wheels of the serving and client stack (FastAPI, uvicorn, the openai SDK,
   gguf, ...), the dependency closure read from this venv's metadata, minus the packages the GPU
-  image brings in its own build (torch, transformers, numpy, ...).
-- `.device/base/smollm2-135m-tokenizer/`: the converted tokenizer (3 MB). `tiny` and
-  `gpt2-random` are built there from it, so no model travels for the tests or for timing.
-- `.device/gguf-1/`, `.device/gguf-2/`, ...: SmolLM2's GGUF (98 MB) in as few pieces as fit a call
-  beside the checkout and base, one per call; `gpu_env.sh` keeps each piece on the machine (while
-  it stays warm) and joins them once all have come.
+  image brings in its own build (torch, transformers, numpy, ...). Carried by the first call only.
+- `.device/gguf-1/`, `.device/gguf-2/`, ...: SmolLM2's GGUF (98 MB) in as few pieces as fit, one
+  per call: the first beside base and the wheels, the others beside base alone (two pieces, at
+  today's sizes). `gpu_env.sh` keeps each piece on the machine (while it stays warm, 30 s after a
+  call) and joins them once all have come.
 """
 from __future__ import annotations
 
@@ -83,16 +87,26 @@ def download(pins: dict[str, str], dest: Path) -> None:
                     "-d", str(dest), *(f"{n}=={v}" for n, v in sorted(pins.items()))], check=True)
 
 
-def split(src: Path, parts: int, out: Path) -> list[Path]:
-    """`src` in `parts` pieces: out/gguf-1/<name>.part1, ... and a manifest line per piece."""
+def split(src: Path, first: int, rest: int, out: Path) -> list[Path]:
+    """`src` in as few pieces as fit calls with room for `first` bytes, then `rest` bytes each:
+    out/gguf-1/<name>.part1, ..., and a manifest line per piece. The first call carries the wheels
+    too, so its piece is smaller. What room is left over is shared out evenly, so that every call
+    keeps the same slack for what the checkout gains before the session (results, commits)."""
     data = src.read_bytes()
-    size = -(-len(data) // parts)
+    caps = [first]
+    while sum(caps) < len(data):
+        caps.append(rest)
+    slack = (sum(caps) - len(data)) // len(caps)
+    bounds = [0]
+    for cap in caps:
+        bounds.append(min(bounds[-1] + cap - slack, len(data)))
+    bounds[-1] = len(data)
     pieces = []
-    for i in range(parts):
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         folder = out / f"gguf-{i + 1}"
         folder.mkdir(parents=True)
         piece = folder / f"{src.name}.part{i + 1}"
-        piece.write_bytes(data[i * size:(i + 1) * size])
+        piece.write_bytes(data[lo:hi])
         pieces.append(piece)
     (out / "base" / "gguf.sha256").write_text(
         f"{hashlib.sha256(data).hexdigest()}  {src.name}\n" + "".join(f"{p.name}\n" for p in pieces))
@@ -102,34 +116,35 @@ def split(src: Path, parts: int, out: Path) -> list[Path]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(REPO / ".device"))
-    p.add_argument("--gguf-parts", type=int, default=0, help="pieces of the 98 MB GGUF, one per call (0: as few as fit)")
     a = p.parse_args()
     from common.gguf_convert import convert_smollm2, find_smollm2_gguf
     from common.loader import cache_root
 
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
-    (out / "base" / "whl").mkdir(parents=True)
+    (out / "whl").mkdir(parents=True)
     pins = closure(ROOTS)
-    download(pins, out / "base" / "whl")
+    download(pins, out / "whl")
     tokenizer = convert_smollm2(cache_root() / "smollm2-135m-tokenizer", tokenizer_only=True)
     shutil.copytree(tokenizer, out / "base" / "smollm2-135m-tokenizer")
-    gguf, checkout, base = find_smollm2_gguf(), checkout_bytes(), tree_bytes(out / "base")
-    parts = a.gguf_parts or -(-gguf.stat().st_size // (CALL_LIMIT - checkout - base - MARGIN))
-    pieces = split(gguf, parts, out)
+    gguf, checkout, base, whl = find_smollm2_gguf(), checkout_bytes(), tree_bytes(out / "base"), tree_bytes(out / "whl")
+    room = CALL_LIMIT - checkout - base - MARGIN  # what a call has left beside the checkout and base
+    pieces = split(gguf, room - whl, room, out)
     if out.is_relative_to(REPO) and subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=REPO).returncode != 0:
         # Ignored, or every call would carry all of it in the working tree (over its 64 MiB).
         with (REPO / ".git" / "info" / "exclude").open("a") as f:
             f.write(f"/{out.relative_to(REPO)}/\n")
 
-    print(f"checkout: {checkout / 2**20:.1f} MiB; {out}/base: {len(pins)} wheels and the tokenizer, {base / 2**20:.1f} MiB")
+    print(f"checkout: {checkout / 2**20:.1f} MiB; {out}/base: the tokenizer, {base / 2**20:.1f} MiB; "
+          f"{out}/whl: {len(pins)} wheels, {whl / 2**20:.1f} MiB")
     for piece in pieces:
         print(f"{piece.parent}: {piece.stat().st_size / 2**20:.1f} MiB")
     rel = out.relative_to(REPO) if out.is_relative_to(REPO) else out
-    print("\nEach call carries base and at most one GGUF piece (64 MiB a call, the checkout included):")
+    print("\nEach call carries base and one GGUF piece, the first the wheels too (64 MiB a call, the checkout included):")
     for i in range(len(pieces)):
-        print(f'  call {i + 1}: carry ["{rel}/base", "{rel}/gguf-{i + 1}"]')
-    print("and its command starts with:  source scripts/gpu_env.sh &&")
+        extra = f', "{rel}/whl"' if i == 0 else ""
+        print(f'  call {i + 1}: carry ["{rel}/base"{extra}, "{rel}/gguf-{i + 1}"]')
+    print("and its command starts with:  source scripts/gpu_env.sh &&  (or is scripts/gpu_session.sh)")
 
 
 if __name__ == "__main__":

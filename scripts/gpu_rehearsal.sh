@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Rehearse a GPU session on this CPU, before one is lent:   bash scripts/gpu_rehearsal.sh
 #
-# Why: a GPU machine is lent to about one session in five, for 30 minutes of device time, and its
+# Why: a GPU machine is lent to about one session in five, for 15 minutes of device time, and its
 # image differs from `make venv` (Python 3.12, torch 2.11, transformers 5.17, numpy 2.5, no
 # package index, no .git, the serving stack's wheels on PYTHONPATH). Whatever breaks only there
 # (a test that rebuilds PYTHONPATH, a variable the tests did not expect, an API of a newer
 # transformers) would be found with the GPU's clock running. This runs the README's CUDA calls
 # here, the same way: a venv of the image's Python and versions (torch's CUDA build runs on the
-# CPU), a copy of the working tree without .git, `.device/` carried one GGUF piece per call, each
-# call a fresh shell that starts with `source scripts/gpu_env.sh`. What it cannot rehearse is
+# CPU), a copy of the working tree without .git, `.device/` carried one GGUF piece per call (the
+# wheels with the first), each call a fresh shell that starts with `source scripts/gpu_env.sh`. What it cannot rehearse is
 # CUDA itself: tests/test_cuda.py skips, and everything runs on the CPU.
 #
 # Costs about 5 GB of downloads once (torch's CUDA wheels; kept in $REHEARSAL_DIR/image) and
@@ -34,7 +34,7 @@ if [ ! -x "$DIR/image/bin/python3" ]; then
     "$DIR/image/bin/pip" install -q $IMAGE
 fi
 cd "$REPO"
-[ -d .device/base ] || .venv/bin/python scripts/gpu_bundle.py
+[ -d .device/whl ] || .venv/bin/python scripts/gpu_bundle.py  # (an older .device/ kept the wheels in base/)
 rm -rf "$DIR/tree" "$DIR/stash"
 mkdir -p "$DIR/tree"
 git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$DIR/tree"
@@ -48,6 +48,7 @@ cd "$DIR/tree"
 
 call() {  # call N COMMAND: what the Nth call to the GPU machine would run, carrying base and gguf-N
     rm -rf .device && mkdir .device && cp -r "$REPO/.device/base" .device/
+    [ "$1" = 1 ] && cp -r "$REPO/.device/whl" .device/
     [ -d "$REPO/.device/gguf-$1" ] && cp -r "$REPO/.device/gguf-$1" .device/
     echo "=== call $1: $2"
     bash -c "source scripts/gpu_env.sh && $2"
