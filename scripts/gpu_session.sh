@@ -23,12 +23,15 @@
 # far (from all calls) and the logs are packed into $OUT/results.tgz, so whatever ran comes back
 # even when a call is cut off.
 #
-# The order is the CUDA issue's: every stage's decode step against its floor (one ladder, on the
-# post's model shape) and where the worker's time goes under post 052's load (`worker-probe`),
-# SmolLM2 parity in fp32 and bf16, the posts' three effects (052, 004, 000) and `make bench` on
-# SmolLM2, then decode profiles and post 052's shape on gpt2-random, the 32-request ladder
-# against transformers, the tests that need the GGUF, and the rest of the CPU set's commands
-# (`rerun_results.py --like cpu --resume`) for as long as there is time.
+# The order is the CUDA issue's, cheapest news first: the decode step against its floor of the
+# stages that differ most (a ladder on the post's model shape) and where the worker's time goes
+# under post 052's load (`worker-probe`); SmolLM2 parity in fp32 and bf16, the posts' three
+# effects (052, 004, 000) and `make bench` on SmolLM2; then the other stages' decode steps,
+# decode profiles and post 052's shape on gpt2-random, the 32-request ladder against
+# transformers, the tests that need the GGUF, and the rest of the CPU set's commands
+# (`rerun_results.py --like cpu --resume`) for as long as there is time. Every engine is a fresh
+# process, and one costs about 25 s on the H200 before it measures anything: a call of 470 s
+# holds about twenty of them.
 #
 # Rehearse it here, on the CPU, in a scratch copy of the tree (it writes into docs/results/):
 #   STAGEWISE_SESSION_DEVICE=cpu OUT=/tmp/out bash scripts/gpu_session.sh 120
@@ -73,14 +76,16 @@ PY=python3
 RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
 G2=gpt2-random
 
-# Item 5: every stage's decode step against its floor, on the post's model shape.
-step ladder-decode-step-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 2,3,4,5,6,7,8,9,10,11 \
+# Item 5: every stage's decode step against its floor, on the post's model shape. Each engine
+# is a fresh process, about 25 s each on the H200 (imports, CUDA, the model, the floor), so the
+# stages come in two ladders: the ones that differ most, with transformers, first.
+step ladder-decode-step-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 2,3,9,11 \
     --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step.$G2 --out docs/results
 # Item 5: post 052's shape gives a token every ~20 ms against a 4.3 ms decode step alone: where
 # the worker's time goes under that load, and with the 64 consumer threads woken once, not every 8 tokens.
-step probe-s09-$G2 - 70 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
+step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
     --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
-step probe-s09-stream-128-$G2 - 70 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
+step probe-s09-stream-128-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
     --device $DEVICE --stream-interval 128 \
     --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.stream-128.$G2.$DEVICE.json
 # Item 3: greedy parity with transformers on the GPU (the CPU files' own commands).
@@ -91,7 +96,10 @@ step bench-s09 smollm2 100 $RERUN --only s09_batched_worker_lookups.cpu
 step bench-s08 smollm2 80 $RERUN --only s08_token_id_cache_keys.cpu
 step bench-s07 smollm2 80 $RERUN --only s07_admission_knob.cpu
 step make-bench-smollm2 smollm2 80 $RERUN --only make-bench
-# Item 5 again: where a step's time goes (kernels vs launches), and post 052's shape on its model.
+# Item 5 again: the other stages' decode steps; where a step's time goes (kernels vs launches);
+# post 052's shape on its model.
+step ladder-decode-step-rest-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 4,5,6,7,8,10 \
+    --no-hf --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step-rest.$G2 --out docs/results
 for s in 2:s02_kv_cache 3:s03_paged_attention 9:s09_batched_worker_lookups 11:s11_chunked_prefill; do
     step profile-${s#*:}-$G2 - 60 $PY -m common.cli profile-decode --stage ${s%%:*} --model $G2 --device $DEVICE \
         --batch 64 --prompt-len 64 --steps 20 --json docs/results/profile.${s#*:}.b64.$G2.$DEVICE.json
