@@ -197,6 +197,7 @@ def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
     with pytest.raises(results.DocsError, match="not a number"):
         results.render_bench_value(REPO, f"{SAMPLE} stage")
     assert results.render_bench_value(tmp_path, "docs/results/none.json ttft_ms.p50") == "*pending*"
+    assert results.render_bench_value(REPO, f"{SAMPLE} requests") == f"{data['requests']}"  # a count: no decimals
 
 
 def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:

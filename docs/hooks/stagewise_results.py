@@ -427,7 +427,8 @@ def render_bench_value(root: Path, args: str) -> str:
     data = load_result(root, parts[0])
     if data is None:
         return "*pending*"
-    return f"{_number(data, parts[1], parts[0]):.2f}"
+    value = _number(data, parts[1], parts[0])
+    return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"  # a count (kernel launches a step) reads as one
 
 
 def render_bench_ratio(root: Path, args: str) -> str:
