@@ -56,6 +56,10 @@ GROUPS = {
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention",
                   "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+                  # CUDA's backends run under those as ops of their own, and launch the kernels:
+                  # on the H200 `_cudnn_attention_forward` held all of attention's kernel time
+                  "aten::_cudnn_attention_forward", "aten::_flash_attention_forward",
+                  "aten::_efficient_attention_forward",
                   "aten::_softmax", "aten::bmm", "aten::baddbmm"),
     "kv_cache": ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index_fill_",
                  "aten::gather", "aten::scatter_"),

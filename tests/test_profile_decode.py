@@ -54,6 +54,7 @@ def test_groups() -> None:
     assert profile_decode.group_of("aten::mm") == "matmul"
     assert profile_decode.group_of("aten::index_select") == "kv_cache"
     assert profile_decode.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert profile_decode.group_of("aten::_cudnn_attention_forward") == "attention"  # SDPA's CUDA backend, as the H200 named it
     assert profile_decode.group_of("aten::rsqrt") == "other"
 
 
