@@ -39,6 +39,17 @@ class Attention(Protocol):
         ...
 
 
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """An attention mask as SDPA uses it: 0 where a query may attend a key, -inf where not.
+
+    Why not pass the boolean mask itself: SDPA turns a boolean mask into exactly this on every
+    call (two `where`s, their scalar tensors and a copy: on a GPU, kernels launched for nothing),
+    and the model calls attention once per layer. A stage builds its mask once per forward, so
+    it converts it there, once, in the dtype of the queries; the outputs are bit for bit the same.
+    """
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm, computed in fp32 and cast back *before* the weight multiply (as HF does)."""
 

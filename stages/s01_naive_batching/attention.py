@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.model import additive_mask
+
 
 def causal_padding_mask(valid: torch.Tensor) -> torch.Tensor:
     """Boolean attention mask from a padding mask.
@@ -28,8 +30,8 @@ def causal_padding_mask(valid: torch.Tensor) -> torch.Tensor:
 class DenseAttention:
     """Causal attention over exactly the tokens passed in; keeps no state between calls."""
 
-    def __init__(self, mask: torch.Tensor) -> None:
-        self.mask = mask  # [B, 1, T, T] bool
+    def __init__(self, mask: torch.Tensor, dtype: torch.dtype) -> None:
+        self.mask = additive_mask(mask, dtype)  # [B, 1, T, T]: once per forward, not in every layer's SDPA
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]  ->  SDPA wants heads before time.

@@ -99,7 +99,7 @@ class InferenceEngine:
         last = torch.full((len(rows),), ids.shape[1] - 1, dtype=torch.long, device=self.device)  # [B]
         while True:
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-            attention = DenseAttention(causal_padding_mask(valid))
+            attention = DenseAttention(causal_padding_mask(valid), self.loaded.dtype)
             logits = self.model(ids, positions, attention, logits_indices=last)  # [B, V]
             next_ids, alive = self._sample_and_record(rows, logits)  # [B], [B]
             if all(r.finished for r in rows):  # from the host: alive.any() would wait for the device

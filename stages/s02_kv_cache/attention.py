@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.model import additive_mask
+
 from .kv_cache import ContiguousKVCache
 
 
@@ -33,7 +35,7 @@ class CachedAttention:
     def __init__(self, cache: ContiguousKVCache, start: int, mask: torch.Tensor) -> None:
         self.cache = cache
         self.start = start
-        self.mask = mask  # [B, 1, T, start + T] bool
+        self.mask = additive_mask(mask, cache.k[0].dtype)  # [B, 1, T, start + T]: once per forward, not per layer
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]

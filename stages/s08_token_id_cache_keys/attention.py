@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.model import additive_mask
+
 from .kv_cache import KVBlockPool
 
 
@@ -48,7 +50,8 @@ class DecodeAttention:
     Per layer: store the new K/V at their slots, copy every sequence's blocks into one reused
     buffer (`KVBlockPool.gather_blocks`: block tables padded to the longest, so the buffer is a
     `[Hkv, B, nb * block_size, D]` rectangle), then one SDPA call with a length mask. Everything
-    that is the same for all layers — the flat block list, the mask — is built once per step.
+    that is the same for all layers — the flat block list, the mask — is built once per step (the
+    mask as SDPA's additive one: given booleans, SDPA would convert them in every layer).
     """
 
     def __init__(self, pool: KVBlockPool, new_slots: torch.Tensor, blocks: torch.Tensor,
@@ -58,7 +61,7 @@ class DecodeAttention:
         B, nb = blocks.shape
         self.rows = pool.block_rows(blocks.reshape(B * nb))  # [Hkv * B * nb]: the block tables, per head
         keys = torch.arange(nb * pool.block_size, device=lengths.device)
-        self.mask = (keys < lengths[:, None])[None, :, None, :]  # [1, B, 1, nb * bs]: True on real keys
+        self.mask = additive_mask((keys < lengths[:, None])[None, :, None, :], pool.k[0].dtype)  # [1, B, 1, nb * bs]
         self.writers = writers  # [W]: rows that store their new K/V (None: all of them)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

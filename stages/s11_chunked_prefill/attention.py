@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.model import additive_mask
+
 from .kv_cache import KVBlockPool
 
 
@@ -52,7 +54,7 @@ class PrefillAttention:
             blocks = torch.tensor(table[: -(-length // bs)], device=device)  # [nb]
             keys = torch.arange(length, device=device)
             mask = keys[None, :] <= start + torch.arange(n, device=device)[:, None]  # [n, length]: causal from start
-            self.parts.append((offset, n, pool.block_rows(blocks), mask.repeat(group, 1)))
+            self.parts.append((offset, n, pool.block_rows(blocks), additive_mask(mask.repeat(group, 1), pool.k[0].dtype)))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, S, Hq, D]; k, v: [1, S, Hkv, D]
@@ -84,7 +86,8 @@ class DecodeAttention:
     Per layer: store the new K/V at their slots, copy every sequence's blocks into one reused
     buffer (`KVBlockPool.gather_blocks`: block tables padded to the longest, so the buffer is a
     `[Hkv, B, nb * block_size, D]` rectangle), then one SDPA call with a length mask. Everything
-    that is the same for all layers — the flat block list, the mask — is built once per step.
+    that is the same for all layers — the flat block list, the mask — is built once per step (the
+    mask as SDPA's additive one: given booleans, SDPA would convert them in every layer).
     """
 
     def __init__(self, pool: KVBlockPool, new_slots: torch.Tensor, blocks: torch.Tensor,
@@ -94,7 +97,7 @@ class DecodeAttention:
         B, nb = blocks.shape
         self.rows = pool.block_rows(blocks.reshape(B * nb))  # [Hkv * B * nb]: the block tables, per head
         keys = torch.arange(nb * pool.block_size, device=lengths.device)
-        self.mask = (keys < lengths[:, None])[None, :, None, :]  # [1, B, 1, nb * bs]: True on real keys
+        self.mask = additive_mask((keys < lengths[:, None])[None, :, None, :], pool.k[0].dtype)  # [1, B, 1, nb * bs]
         self.writers = writers  # [W]: rows that store their new K/V (None: all of them)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
