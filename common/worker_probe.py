@@ -136,15 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
-    from common.bench import parse_bench_args, run_stage_bench, write_result
+    from common.bench import run_stage_bench, write_result
     from common.cli import resolve_stage
 
     package = resolve_stage(a.stage)
     watch = instrument(package)
 
     result = run_stage_bench(package, bench_argv)
-    warmup = parse_bench_args(importlib.import_module(package), bench_argv).warmup_runs
-    result["worker"] = worker_fields(watch, warmup)
+    result["worker"] = worker_fields(watch, result["config"]["warmup_runs"])  # the bench's own parse of its flags
     print(report(result["worker"], result), flush=True)
     if a.json:
         write_result(a.json, result, "worker-probe", argv)

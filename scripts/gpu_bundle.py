@@ -5,8 +5,8 @@
 Then, on the GPU machine (the working tree copied there, with the folders this prints), two
 calls back to back (scripts/gpu_session.sh says what each runs):
 
-    bash scripts/gpu_session.sh stash      # carrying .device/base, .device/whl, .device/gguf-1
-    bash scripts/gpu_session.sh run        # carrying .device/base, .device/gguf-2
+    bash scripts/gpu_session.sh 230        # carrying .device/base, .device/whl, .device/gguf-1
+    bash scripts/gpu_session.sh 470        # carrying .device/base, .device/gguf-2
 
 Why it looks like this: the GPU machines this project borrows have Python 3.12 with a CUDA build
 of torch and transformers, no package index, and take at most 64 MiB of files per call. So the
@@ -99,8 +99,7 @@ def split(src: Path, first: int, rest: int, out: Path) -> list[Path]:
     slack = (sum(caps) - len(data)) // len(caps)
     bounds = [0]
     for cap in caps:
-        bounds.append(min(bounds[-1] + cap - slack, len(data)))
-    bounds[-1] = len(data)
+        bounds.append(min(bounds[-1] + cap - slack, len(data)))  # only the last can pass the end
     pieces = []
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         folder = out / f"gguf-{i + 1}"
