@@ -335,11 +335,21 @@ def run_ladder(argv: list[str] | None = None) -> dict:
     return data
 
 
+def failed_engines(data: dict) -> list[str]:
+    """The stages that make the ladder fail: one that did not run, or, in fp32, one whose greedy
+    tokens differ from the reference. In bf16 or fp16 two correct engines may part where the
+    reference's best two logits are a rounding step apart (`stagewise parity` measures how often),
+    so a difference there is a warning and the table's "DIFFER", not a failure; a Hugging Face
+    engine only ever warns."""
+    bad = [s["engine"] for s in data["skipped"]]
+    if data["dtype"] == "float32":
+        bad += list(data["correctness"].get("mismatches", {}))
+    return [name for name in bad if name not in HF_ENGINES]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit 1 when a stage failed or its greedy tokens differ (a Hugging Face mismatch only warns)."""
-    data = run_ladder(argv)
-    bad = [s["engine"] for s in data["skipped"]] + list(data["correctness"].get("mismatches", {}))
-    return 1 if any(name not in HF_ENGINES for name in bad) else 0
+    """Exit 1 when `failed_engines` names any stage."""
+    return 1 if failed_engines(run_ladder(argv)) else 0
 
 
 if __name__ == "__main__":

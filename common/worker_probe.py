@@ -89,7 +89,7 @@ def summarize_run(events: list[Event]) -> dict[str, Any]:
     total = {s: sum(e[2] for e in evs) for s, evs in by.items()}
     steps, prefills = by["step"], by["prefill"]
     rest = wall - total["decode"] - total["prefill"]
-    return {
+    return {**decode_tail(by["decode"], steps),
         "worker_wall_s": wall,
         "decode_steps": len(steps),
         "step_ms": 1e3 * statistics.median(e[2] for e in steps) if steps else None,
@@ -101,6 +101,30 @@ def summarize_run(events: list[Event]) -> dict[str, Any]:
         "prefill_ms": 1e3 * statistics.median(e[2] for e in prefills) if prefills else None,
         "prompts_per_prefill": sum(e[3] for e in prefills) / len(prefills) if prefills else None,
         "share": {"decode": total["decode"] / wall, "prefill": total["prefill"] / wall, "rest": rest / wall},
+    }
+
+
+def decode_tail(decodes: list[Event], steps: list[Event], slowest: int = 5) -> dict[str, Any]:
+    """How the decode steps' times spread: a TPOT follows their mean, a median hides the slow ones.
+
+    Under post 052's load on the H200, stage 09's median decode step was 9.2 ms and its mean
+    23.8 ms, with TPOT p50 at 20 ms: a few slow steps held most of the time. `slow_*` counts the
+    steps over twice the median and their share of all decode time; `slowest` gives the slowest
+    scheduler steps with their place in the run and their batch, to tell a new shape (a batch or
+    width first seen) from a stall."""
+    if not decodes:
+        return {}
+    ms = sorted(1e3 * e[2] for e in decodes)
+    median = statistics.median(ms)
+    slow = [t for t in ms if t > 2 * median]
+    ranked = sorted(enumerate(steps), key=lambda ie: -ie[1][2])[:slowest]
+    return {
+        "decode_ms_mean": sum(ms) / len(ms),
+        "decode_ms_p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        "decode_ms_max": ms[-1],
+        "slow_decode_steps": len(slow),
+        "slow_decode_share": sum(slow) / sum(ms) if sum(ms) else 0.0,
+        "slowest": [{"step": i, "ms": 1e3 * e[2], "batch": e[3]} for i, e in ranked],
     }
 
 
@@ -120,6 +144,9 @@ def report(w: dict[str, Any], result: dict[str, Any]) -> str:
         f"Worker, medians of {len(w['runs'])} measured runs (stopwatches on the stage's own classes):",
         f"  decode steps: {w['decode_steps']:.0f}, {w['decode_ms']:.2f} ms each: scheduler.step {w['step_ms']:.2f} ms "
         f"+ pushing tokens {w['push_ms_mean']:.2f} ms; mean batch {w['batch_mean']:.1f}",
+        f"  decode step spread: mean {w['decode_ms_mean']:.2f} ms, p90 {w['decode_ms_p90']:.2f}, max "
+        f"{w['decode_ms_max']:.2f}; {w['slow_decode_steps']:.0f} steps over twice the median hold "
+        f"{100 * w['slow_decode_share']:.0f} % of decode time",
         f"  prefills: {w['prefills']:.0f}, {w['prefill_ms']:.2f} ms each, {w['prompts_per_prefill']:.1f} prompts each",
         f"  worker wall {w['worker_wall_s']:.2f} s: decode {100 * share['decode']:.0f} %, prefill "
         f"{100 * share['prefill']:.0f} %, the rest (loop, waiting, admission) {100 * share['rest']:.0f} %",
@@ -133,17 +160,23 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="Every other flag goes to the stage's bench unchanged (one engine: no --compare).")
     p.add_argument("--stage", required=True, help="stage number or name, 04 or later")
     p.add_argument("--json", default=None, metavar="PATH", help="the bench's result with a `worker` section added")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="turn off SDPA's cuDNN backend (CUDA): is a new shape's cuDNN plan what makes slow steps?")
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
     from common.bench import run_stage_bench, write_result
     from common.cli import resolve_stage
 
+    if a.no_cudnn_attention:  # a global switch of torch's, so the worker thread sees it too
+        import torch
+        torch.backends.cuda.enable_cudnn_sdp(False)
     package = resolve_stage(a.stage)
     watch = instrument(package)
 
     result = run_stage_bench(package, bench_argv)
     result["worker"] = worker_fields(watch, result["config"]["warmup_runs"])  # the bench's own parse of its flags
+    result["worker"]["cudnn_attention"] = not a.no_cudnn_attention
     print(report(result["worker"], result), flush=True)
     if a.json:
         write_result(a.json, result, "worker-probe", argv)

@@ -23,13 +23,13 @@
 # far (from all calls) and the logs are packed into $OUT/results.tgz, so whatever ran comes back
 # even when a call is cut off.
 #
-# The order is the CUDA issue's, cheapest news first: the decode step against its floor of the
-# stages that differ most (a ladder on the post's model shape) and where the worker's time goes
-# under post 052's load (`worker-probe`); SmolLM2 parity in fp32 and bf16, the posts' three
-# effects (052, 004, 000) and `make bench` on SmolLM2; then the other stages' decode steps,
-# decode profiles and post 052's shape on gpt2-random, the 32-request ladder against
-# transformers, the tests that need the GGUF, and the rest of the CPU set's commands
-# (`rerun_results.py --like cpu --resume`) for as long as there is time. Every engine is a fresh
+# The order is the CUDA issue's, cheapest news first, what has never been measured before what
+# has: where the worker's time goes under post 052's load (`worker-probe`), the decode steps of
+# the stages not yet on the GPU's ladder, `make bench` and the GGUF's tests on SmolLM2, decode
+# profiles and post 052's shape on gpt2-random, the 32-request ladder against transformers; then
+# again what an earlier session measured (SmolLM2 parity, the posts' three effects, the first
+# decode-step ladder), and the rest of the CPU set's commands (`rerun_results.py --like cpu
+# --resume`) for as long as there is time. Every engine is a fresh
 # process, and one costs about 25 s on the H200 before it measures anything: a call of 470 s
 # holds about twenty of them.
 #
@@ -76,30 +76,26 @@ PY=python3
 RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
 G2=gpt2-random
 
-# Item 5: every stage's decode step against its floor, on the post's model shape. Each engine
-# is a fresh process, about 25 s each on the H200 (imports, CUDA, the model, the floor), so the
-# stages come in two ladders: the ones that differ most, with transformers, first.
-step ladder-decode-step-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 2,3,9,11 \
-    --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step.$G2 --out docs/results
-# Item 5: post 052's shape gives a token every ~20 ms against a 4.3 ms decode step alone: where
-# the worker's time goes under that load, and with the 64 consumer threads woken once, not every 8 tokens.
+# What ran on the H200 at e5514d9 (docs/results/*.cuda.json) comes last here, to be measured
+# again at the newest commit; what never ran comes first.
+#
+# Item 2: where the worker's time goes under post 052's load. At e5514d9 the worker was in decode
+# 96 % of the time, its median step 9.2 ms and its mean 23.8: a few slow steps. The probe now
+# lists the slowest with their batch; the second run turns off SDPA's cuDNN backend, whose plans
+# are built per new shape (batch and K/V width change as requests arrive).
 step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
     --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
-step probe-s09-stream-128-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
-    --device $DEVICE --stream-interval 128 \
-    --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.stream-128.$G2.$DEVICE.json
-# Item 3: greedy parity with transformers on the GPU (the CPU files' own commands).
-step parity-fp32 smollm2 180 $RERUN --only parity.fp32
-step parity-bf16 smollm2 150 $RERUN --only parity.bf16
-# Item 4: the posts' effects on SmolLM2 (052: stage 08 vs 09; 004: 07 vs 08; 000: 06 vs 07) and make bench.
-step bench-s09 smollm2 100 $RERUN --only s09_batched_worker_lookups.cpu
-step bench-s08 smollm2 80 $RERUN --only s08_token_id_cache_keys.cpu
-step bench-s07 smollm2 80 $RERUN --only s07_admission_knob.cpu
-step make-bench-smollm2 smollm2 80 $RERUN --only make-bench
-# Item 5 again: the other stages' decode steps; where a step's time goes (kernels vs launches);
-# post 052's shape on its model.
+step probe-s09-no-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
+    --device $DEVICE --no-cudnn-attention \
+    --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.no-cudnn.$G2.$DEVICE.json
+# Item 5: the stages not yet on the GPU's decode-step ladder (each engine a fresh process, ~25 s).
 step ladder-decode-step-rest-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 4,5,6,7,8,10 \
     --no-hf --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step-rest.$G2 --out docs/results
+# Item 4: make bench on SmolLM2, and the tests that need its GGUF.
+step make-bench-smollm2 smollm2 80 $RERUN --only make-bench
+step tests-smollm2 smollm2 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+    tests/test_smollm2.py tests/test_loader.py tests/test_model.py
+# Item 5 again: where a step's time goes (kernels vs launches); post 052's shape on its model.
 for s in 2:s02_kv_cache 3:s03_paged_attention 9:s09_batched_worker_lookups 11:s11_chunked_prefill; do
     step profile-${s#*:}-$G2 - 60 $PY -m common.cli profile-decode --stage ${s%%:*} --model $G2 --device $DEVICE \
         --batch 64 --prompt-len 64 --steps 20 --json docs/results/profile.${s#*:}.b64.$G2.$DEVICE.json
@@ -111,8 +107,14 @@ done
 step ladder-random-lengths-32x16-$G2 - 200 $PY -m common.cli ladder --workload random-lengths --num-requests 32 \
     --max-batch-size 16 --max-new-tokens 64 --stages 2,3,9 --model $G2 --device $DEVICE --rounds 1 \
     --tag random-lengths-32x16.$G2 --out docs/results
-step tests-smollm2 smollm2 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
-    tests/test_smollm2.py tests/test_loader.py tests/test_model.py
+# Measured at e5514d9: again at the newest commit, so every file comes from one.
+step ladder-decode-step-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 2,3,9,11 \
+    --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step.$G2 --out docs/results
+step parity-fp32 smollm2 180 $RERUN --only parity.fp32
+step parity-bf16 smollm2 150 $RERUN --only parity.bf16
+step bench-s09 smollm2 100 $RERUN --only s09_batched_worker_lookups.cpu
+step bench-s08 smollm2 80 $RERUN --only s08_token_id_cache_keys.cpu
+step bench-s07 smollm2 90 $RERUN --only s07_admission_knob.cpu
 # Item 4: the rest of the CPU set's commands, as long as time allows (the stability runs and the
 # serving comparisons last longest and come last).
 step rest smollm2 600 $RERUN --resume --skip stability --skip serve

@@ -29,6 +29,8 @@ def test_sections_account_for_every_token(stage: str, tmp_path: Path, capsys, ti
         assert prompts == 6 and run["step_tokens"] + prompts == bench_run["completion_tokens"]
         assert run["batch_mean"] <= 4 and run["step_ms"] <= run["decode_ms"]
         assert sum(run["share"].values()) == pytest.approx(1.0)
+        assert run["decode_ms_max"] >= run["decode_ms_p90"]
+        assert len(run["slowest"]) == min(5, run["decode_steps"])
     assert data["tpot_ms"]["p50"] > 0  # the bench's own timestamps still recorded (its knobs reached the manager)
     assert data["command"].startswith(f"stagewise worker-probe --stage {stage}") and data["env"]["git_commit"]
 
@@ -36,3 +38,38 @@ def test_sections_account_for_every_token(stage: str, tmp_path: Path, capsys, ti
 def test_one_engine_only(tiny) -> None:
     with pytest.raises(ValueError, match="--compare"):
         worker_probe.main(["--stage", "9", *BENCH, "--compare"])
+
+
+def test_summary_of_known_sections() -> None:
+    """Events with durations set by hand: every field is a sum or an order statistic the code
+    could get wrong (a share taken of the wrong wall, the tail counted from the wrong median)."""
+    ms = 1e-3
+    events = [  # (section, start s, seconds, rows); a step sits inside its decode, as in the worker
+        ("prefill", 0.000, 4 * ms, 3),
+        ("step", 0.010, 1 * ms, 3), ("decode", 0.010, 2 * ms, 0),
+        ("step", 0.020, 1 * ms, 3), ("decode", 0.020, 2 * ms, 0),
+        ("step", 0.030, 9 * ms, 2), ("decode", 0.030, 10 * ms, 0),  # a slow step: 10 > 2 x median 2
+    ]
+    run = worker_probe.summarize_run(events)
+    assert run["worker_wall_s"] == pytest.approx(0.040)
+    assert run["decode_steps"] == 3 and run["step_tokens"] == 8 and run["batch_mean"] == pytest.approx(8 / 3)
+    assert run["decode_ms"] == pytest.approx(2) and run["step_ms"] == pytest.approx(1)
+    assert run["push_ms_mean"] == pytest.approx(1)  # (14 - 11) ms of decode outside step, over 3 steps
+    assert run["share"]["decode"] == pytest.approx(14 / 40) and run["share"]["prefill"] == pytest.approx(4 / 40)
+    assert run["share"]["rest"] == pytest.approx(22 / 40)
+    assert run["decode_ms_mean"] == pytest.approx(14 / 3) and run["decode_ms_max"] == pytest.approx(10)
+    assert run["slow_decode_steps"] == 1 and run["slow_decode_share"] == pytest.approx(10 / 14)
+    assert [(s["step"], s["batch"]) for s in run["slowest"]] == [(2, 2), (0, 3), (1, 3)]
+    assert run["slowest"][0]["ms"] == pytest.approx(9)
+
+
+def test_cudnn_attention_switch(tmp_path: Path, tiny) -> None:
+    """The switch reaches torch's global flag (the worker thread reads the same one) and the result says so."""
+    import torch
+    out = tmp_path / "probe.json"
+    try:
+        assert worker_probe.main(["--stage", "9", *BENCH, "--no-cudnn-attention", "--json", str(out)]) == 0
+        assert torch.backends.cuda.cudnn_sdp_enabled() is False
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    assert json.loads(out.read_text())["worker"]["cudnn_attention"] is False
