@@ -3,12 +3,12 @@
     stagewise generate "Tell me a joke" [--stage 4] [--max-new-tokens 64] ...
     stagewise bench --stage 2 [any flag of python -m stages.<stage>.bench]
     stagewise stages
-    stagewise ladder ...          (every stage on one workload; provided by common/ladder.py)
-    stagewise stability --stage 9 --processes 5 [bench flags]   (common/stability.py)
-    stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve.py, serve_cli.py)
-    stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/bench_serve.py)
-    stagewise serve-compare [--stage 11]                   (against `transformers serve`; common/serve_compare.py)
-    stagewise parity --model NAME --dtype bfloat16        (every stage's tokens against transformers'; common/parity.py)
+    stagewise ladder ...          (every stage on one workload; provided by common/bench/ladder.py)
+    stagewise stability --stage 9 --processes 5 [bench flags]   (common/bench/stability.py)
+    stagewise serve --stage 9 --model NAME --port 8000     (OpenAI-compatible HTTP; common/serve/)
+    stagewise bench-serve --base-url URL --model NAME ...  (a workload over HTTP; common/serve/bench.py)
+    stagewise serve-compare [--stage 11]                   (against `transformers serve`; common/serve/compare.py)
+    stagewise parity --model NAME --dtype bfloat16        (every stage's tokens against transformers'; common/bench/parity.py)
 
 `bench --stage N ...` is exactly `python -m stages.<stage>.bench ...`: the remaining flags are
 handed over untouched, so the two spellings can never drift apart.
@@ -37,37 +37,24 @@ def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
-def resolve_stage(stage: str | int | None) -> str:
-    """The requested stage if it imports, else the newest one before it that does (with a note)."""
-    wanted = registry.stage_package(stage) if stage is not None else registry.STAGES[max(registry.STAGES)]
-    try:
-        importlib.import_module(wanted)
-        return wanted
-    except ImportError:
-        found = registry.newest_available_stage(at_most=wanted)
-        print(f"note: {registry.short_name(wanted)} is not available; using {registry.short_name(found)}",
-              file=sys.stderr)
-        return found
-
-
 def cmd_bench(argv: list[str]) -> int:
     stage, rest = _pop_option(argv, "--stage")
-    from common.bench import run_stage_bench
-    run_stage_bench(resolve_stage(stage), rest)
+    from common.bench.harness import run_stage_bench
+    run_stage_bench(registry.resolve_stage(stage), rest)
     return 0
 
 
 def cmd_ladder(argv: list[str]) -> int:
     # Imported here, not at the top: the ladder pulls in matplotlib, which `generate` never needs.
-    from common import ladder
+    from common.bench import ladder
     return int(ladder.main(argv) or 0)
 
 
 # Subcommands that own their flags: `stagewise NAME ...` is `NAME`'s module main(argv).
-SUBPROGRAMS = {"serve": "common.serve_cli", "bench-serve": "common.bench_serve", "serve-overhead": "common.serve_overhead",
-               "serve-compare": "common.serve_compare", "stability": "common.stability", "profile-decode": "common.profile_decode",
-               "profile-prefill": "common.profile_prefill", "parity": "common.parity",
-               "worker-probe": "common.worker_probe"}
+SUBPROGRAMS = {"serve": "common.serve.server", "bench-serve": "common.serve.bench", "serve-overhead": "common.serve.overhead",
+               "serve-compare": "common.serve.compare", "stability": "common.bench.stability",
+               "profile-decode": "common.bench.profile_decode", "profile-prefill": "common.bench.profile_prefill",
+               "parity": "common.bench.parity", "worker-probe": "common.bench.worker_probe"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
@@ -86,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from common.requests import Request, SamplingParams
     from common.tokenizer import chat_prompt
 
-    module = importlib.import_module(resolve_stage(args.stage))
+    module = importlib.import_module(registry.resolve_stage(args.stage))
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt = args.prompt if args.no_chat else chat_prompt(loaded.tokenizer, args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -126,22 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end, even on stage 04+")
     sub.add_parser("bench", add_help=False, help="a stage's benchmark: bench --stage N [bench flags] (--help for them)")
     sub.add_parser("stages", help="list the stages and what each adds")
-    sub.add_parser("ladder", add_help=False, help="every stage on one workload (common/ladder.py)")
-    sub.add_parser("stability", add_help=False, help="one stage's bench in N fresh processes (common/stability.py)")
-    sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve.py)")
-    sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/bench_serve.py)")
+    sub.add_parser("ladder", add_help=False, help="every stage on one workload (common/bench/ladder.py)")
+    sub.add_parser("stability", add_help=False, help="one stage's bench in N fresh processes (common/bench/stability.py)")
+    sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve/app.py)")
+    sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/serve/bench.py)")
     sub.add_parser("profile-decode", add_help=False,
-                   help="one stage's decode step op by op, against the matmul floor (common/profile_decode.py)")
+                   help="one stage's decode step op by op, against the matmul floor (common/bench/profile_decode.py)")
     sub.add_parser("profile-prefill", add_help=False,
-                   help="one prompt's prefill op by op, against its matmul floor (common/profile_prefill.py)")
+                   help="one prompt's prefill op by op, against its matmul floor (common/bench/profile_prefill.py)")
     sub.add_parser("serve-overhead", add_help=False,
-                   help="HTTP vs in-process on one workload, one JSON (common/serve_overhead.py)")
+                   help="HTTP vs in-process on one workload, one JSON (common/serve/overhead.py)")
     sub.add_parser("serve-compare", add_help=False,
-                   help="stagewise serve against transformers serve, same client and workload (common/serve_compare.py)")
+                   help="stagewise serve against transformers serve, same client and workload (common/serve/compare.py)")
     sub.add_parser("parity", add_help=False,
-                   help="every stage's greedy tokens against transformers' generate (common/parity.py)")
+                   help="every stage's greedy tokens against transformers' generate (common/bench/parity.py)")
     sub.add_parser("worker-probe", add_help=False,
-                   help="a streaming stage's bench with stopwatches on its worker (common/worker_probe.py)")
+                   help="a streaming stage's bench with stopwatches on its worker (common/bench/worker_probe.py)")
     return parser
 
 

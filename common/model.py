@@ -100,7 +100,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Projections:
     """A block's projections by name: `<name>_weight` [out, in] and `<name>_bias` (or none).
 
-    `project` is the one place a block multiplies by a weight, so the floor (common/floor.py)
+    `project` is the one place a block multiplies by a weight, so the floor (common/bench/floor.py)
     times exactly the calls a step makes, through the packed weight where `pack_weights` made one."""
 
     PROJECTIONS: tuple[str, ...] = ()

@@ -141,7 +141,7 @@ class ContextLengthExceeded(ValueError):
         super().__init__(f"{field} {detail}")
         self.field, self.detail = field, detail
 
-    def __reduce__(self) -> tuple:  # crosses a process boundary (common/engine_process.py) intact
+    def __reduce__(self) -> tuple:  # crosses a process boundary (common/serve/engine_process.py) intact
         return type(self), (self.field, self.detail)
 
 

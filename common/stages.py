@@ -7,6 +7,7 @@ the ladder -- goes through here instead.
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 STAGES: dict[int, str] = {
@@ -84,3 +85,16 @@ def summary_line(module: ModuleType) -> str:
     doc = (module.__doc__ or "").strip()
     first = doc.split("\n\n", 1)[0].replace("\n", " ")
     return first.split(". ", 1)[0].rstrip(".") + "." if first else ""
+
+
+def resolve_stage(stage: str | int | None) -> str:
+    """The requested stage if it imports, else the newest one before it that does (with a note)."""
+    wanted = stage_package(stage) if stage is not None else STAGES[max(STAGES)]
+    try:
+        importlib.import_module(wanted)
+        return wanted
+    except ImportError:
+        found = newest_available_stage(at_most=wanted)
+        print(f"note: {short_name(wanted)} is not available; using {short_name(found)}",
+              file=sys.stderr)
+        return found

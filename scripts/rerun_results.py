@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return check(paths, None)
     sys.path.insert(0, str(ROOT))
-    from common.envinfo import git_info  # also where the checkout is a copy without .git (README, "CUDA")
+    from common.bench.envinfo import git_info  # also where the checkout is a copy without .git (README, "CUDA")
 
     here = git_info()
     head = here["git_commit"]
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for f, cmd in plan:
             print(shlex.join(["python", *cmd[1:]]))
         return 0
-    # As in common/envinfo.py: the results themselves (rewritten as the set goes) do not count.
+    # As in common/bench/envinfo.py: the results themselves (rewritten as the set goes) do not count.
     if args.like and args.device != args.like:
         import torch  # the commands pick their device with --device auto: it must be the one the names say
 

@@ -18,9 +18,9 @@ import httpx
 import openai
 
 from common import stages as registry
-from common.http_transport import bind_socket
-from common.serve import ServeState
-from common.serve_cli import make_server
+from common.serve.transport import bind_socket
+from common.serve.app import ServeState
+from common.serve.server import make_server
 
 
 class ServerThread:

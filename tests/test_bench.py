@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import report, stages as registry
+from common import stages as registry
+from common.bench import report
 from common.requests import Completion, SamplingParams
-from common.workloads import build_workload
+from common.bench.workloads import build_workload
 
 
 class FakeTokenizer:
@@ -40,7 +41,7 @@ class FakeTokenizer:
 
 
 def fake_model(hidden: int = 8, layers: int = 2, vocab: int = 32) -> types.SimpleNamespace:
-    """Just what common/floor.py reads: one Llama-shaped block of projections per layer and an lm_head."""
+    """Just what common/bench/floor.py reads: one Llama-shaped block of projections per layer and an lm_head."""
     shapes = {"qkv": (3 * hidden, hidden), "o": (hidden, hidden), "gate_up": (4 * hidden, hidden),
               "down": (hidden, 2 * hidden)}
 
@@ -99,7 +100,7 @@ class WrongEngine(FakeEngine):
 @pytest.fixture
 def fake_stages(monkeypatch):
     """Two fake stages registered as stages 1 and 2, and a fake load_model / HF baseline."""
-    import common.hf_baseline
+    import common.bench.hf_baseline
     import common.loader
 
     def add(name: str, engine, bench: dict | None = None) -> types.ModuleType:
@@ -114,7 +115,7 @@ def fake_stages(monkeypatch):
                                                                     {"num_requests": 5, "max_new_tokens": 3})}
     monkeypatch.setattr(registry, "STAGES", {1: "fake_s01", 2: "fake_s02"})
     monkeypatch.setattr(common.loader, "load_model", lambda *a, **k: fake_loaded())
-    monkeypatch.setattr(common.hf_baseline, "HFGenerateEngine", FakeEngine)
+    monkeypatch.setattr(common.bench.hf_baseline, "HFGenerateEngine", FakeEngine)
     PagedFakeEngine.seen = []
     return modules
 
@@ -255,7 +256,7 @@ def test_bad_long_prompt_values_name_their_field(kwargs, field):
 
 
 def test_submit_offset_is_validated_and_in_the_workload_digest():
-    from common.engine_worker import workload_digest
+    from common.bench.workloads import workload_digest
     from common.requests import Request
 
     with pytest.raises(ValueError, match="^submit_offset_s"):
@@ -269,7 +270,7 @@ def test_submit_offset_is_validated_and_in_the_workload_digest():
 
 
 def test_describe_workload_names_the_late_prompts():
-    from common.bench_flags import build_parser, describe_workload
+    from common.bench.flags import build_parser, describe_workload
 
     args = build_parser("bench").parse_args(["--long-prompts", "4", "--long-prompt-len", "2000",
                                              "--long-prompt-interval-ms", "2000"])
@@ -280,7 +281,7 @@ def test_describe_workload_names_the_late_prompts():
 # ----------------------------------------------------------------------------- harness
 
 def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     out = tmp_path / "sub" / "out.json"
     run_stage_bench("fake_s02", ["--compare", "--baseline", "hf", "--warmup-runs", "1", "--repeat-runs", "2",
@@ -319,7 +320,7 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
 
 
 def test_token_mismatch_is_reported_not_fatal(fake_stages, capsys):
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     fake_stages["first"].InferenceEngine = WrongEngine
     result = run_stage_bench("fake_s02", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1", "--same-process"])
@@ -329,7 +330,7 @@ def test_token_mismatch_is_reported_not_fatal(fake_stages, capsys):
 
 
 def test_flags_override_bench_defaults(fake_stages):
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     result = run_stage_bench("fake_s02", ["--num-requests", "2", "--prompt-len-min", "4", "--prompt-len-max", "6",
                                           "--warmup-runs", "0", "--repeat-runs", "1"])
@@ -340,7 +341,7 @@ def test_flags_override_bench_defaults(fake_stages):
 
 
 def test_offline_bench_says_it_ignores_the_late_arrivals(fake_stages, capsys):
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     result = run_stage_bench("fake_s02", ["--long-prompts", "2", "--long-prompt-len", "6", "--warmup-runs", "0",
                                           "--repeat-runs", "1"])
@@ -349,7 +350,7 @@ def test_offline_bench_says_it_ignores_the_late_arrivals(fake_stages, capsys):
 
 
 def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
-    from common.bench_flags import PRESETS, as_defaults, build_parser, parse_bench_args
+    from common.bench.flags import PRESETS, as_defaults, build_parser, parse_bench_args
 
     module = fake_stages["second"]  # its BENCH: 5 requests, 3 new tokens, and a workload of its own
     monkeypatch.setitem(module.BENCH, "shared_prefix_len", 500)
@@ -367,7 +368,7 @@ def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
 
 
 def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
-    from common.bench_flags import parse_bench_args
+    from common.bench.flags import parse_bench_args
 
     with pytest.raises(SystemExit):
         parse_bench_args(fake_stages["second"], ["--preset", "post-999"])
@@ -378,7 +379,7 @@ def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
 def test_post_052_preset_is_stage_09s_bench_and_make_bench_runs_it():
     import importlib
 
-    from common.bench_flags import PRESETS
+    from common.bench.flags import PRESETS
 
     assert PRESETS["post-052"] == importlib.import_module("stages.s09_batched_worker_lookups").BENCH
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
@@ -398,18 +399,18 @@ def test_stage_registry_names():
 
 
 def test_cli_hands_bench_flags_over_untouched(monkeypatch):
-    import common.bench
+    import common.bench.harness
     from common import cli
 
     seen = {}
-    monkeypatch.setattr(cli, "resolve_stage", lambda stage: f"pkg-{stage}")
-    monkeypatch.setattr(common.bench, "run_stage_bench", lambda pkg, argv: seen.update(pkg=pkg, argv=argv))
+    monkeypatch.setattr(registry, "resolve_stage", lambda stage: f"pkg-{stage}")
+    monkeypatch.setattr(common.bench.harness, "run_stage_bench", lambda pkg, argv: seen.update(pkg=pkg, argv=argv))
     assert cli.main(["bench", "--num-requests", "4", "--stage", "2", "--prompt", "a b"]) == 0
     assert seen == {"pkg": "pkg-2", "argv": ["--num-requests", "4", "--prompt", "a b"]}
 
 
 def test_collect_env_fields():
-    from common.envinfo import collect_env
+    from common.bench.envinfo import collect_env
 
     env = collect_env("cpu")
     assert env["device_name"] == "cpu" and env["torch"] == torch.__version__ and env["cpu_count"] >= 1
@@ -429,7 +430,7 @@ def _greedy_no_eos(hf_model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def test_hf_baseline_matches_hf_generate_one_at_a_time(tiny, hf_tiny):
-    from common.hf_baseline import HFGenerateEngine
+    from common.bench.hf_baseline import HFGenerateEngine
     from conftest import run_hf_greedy
 
     requests = build_workload(tiny.tokenizer, num_requests=5, prompt_len_range=(3, 30), max_new_tokens=8, seed=7)

@@ -1,5 +1,5 @@
 """`stagewise bench-serve` and `serve-overhead` without a live server: bench-serve's HTTP reading
-(common/sse_client.py: chunked framing parsed from whatever a read returns, a head in one read),
+(common/serve/sse_client.py: chunked framing parsed from whatever a read returns, a head in one read),
 its event loop and flags, and serve-overhead's flags, figures and one paired run on `tiny`.
 The tests that need a running server (a report over HTTP, a server's error) are in test_serve.py."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.sse_client import Connection, split_chunks
+from common.serve.sse_client import Connection, split_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def test_bench_serve_runs_on_uvloop_where_installed(monkeypatch) -> None:
     import argparse
     import importlib.util
 
-    from common import bench_serve
+    from common.serve import bench as bench_serve
 
     async def loop_class() -> str:
         return type(asyncio.get_running_loop()).__module__
@@ -85,9 +85,10 @@ def test_bench_serve_runs_on_uvloop_where_installed(monkeypatch) -> None:
 
 
 def test_bench_serve_workload_flags_match_the_benches() -> None:
-    from common import bench_flags, bench_serve
+    from common.bench import flags
+    from common.serve import bench as bench_serve
     ours = {a.dest: a.default for a in bench_serve.build_parser()._actions}
-    theirs = {a.dest: a.default for a in bench_flags.build_parser("bench")._actions}
+    theirs = {a.dest: a.default for a in flags.build_parser("bench")._actions}
     for flag, _ in bench_serve.WORKLOAD_FLAGS:
         dest = flag.lstrip("-").replace("-", "_")
         assert ours[dest] == theirs[dest], flag
@@ -101,13 +102,14 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
     server's manager, built from the knobs `stagewise serve` takes."""
     import argparse
 
-    from common import bench_flags, bench_serve, serve_cli, serve_overhead
+    from common.bench import flags
+    from common.serve import bench as bench_serve, engine as serve_engine, overhead as serve_overhead
     a = serve_overhead.build_parser().parse_args(["--model", "tiny", "--dtype", "float32"])
     workload, knobs = serve_overhead._workload_flags(a), serve_overhead._engine_flags(a)
-    local = bench_flags.build_parser("bench").parse_args(workload)
+    local = flags.build_parser("bench").parse_args(workload)
     remote = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *workload])
     server = argparse.ArgumentParser()
-    serve_cli.add_serve_args(server)
+    serve_engine.add_serve_args(server)
     served = server.parse_args(knobs + ["--model", "tiny"])
     for name in ("num_requests", "max_new_tokens", "prompt", "unique_prompts", "no_stop_on_eos", "seed"):
         assert getattr(local, name) == getattr(remote, name), name
@@ -120,7 +122,7 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
 def test_serve_overhead_figures() -> None:
     from types import SimpleNamespace
 
-    from common.serve_overhead import intake_span_ms, overhead, pair
+    from common.serve.overhead import intake_span_ms, overhead, pair
     burst = [SimpleNamespace(timings={"submitted": t}) for t in (2.0015, 2.0, 2.0105)]
     assert intake_span_ms(burst) == pytest.approx(10.5)
     http = {"throughput_tok_s": {"completion": 90.0}, "ttft_ms": {"p50": 14.0}}

@@ -11,7 +11,7 @@ near tie between the two best tokens tips then depends on the machine's kernels 
 12 prompts, 3 seeds, torch 2.13, the share of tokens before each row's first difference was
 0.94-1.0 with ATen's AVX2 kernels, 0.85-0.98 with its AVX-512 ones and 1.0 with the scalar ones
 (`ATEN_CPU_CAPABILITY`), on the same CPU. So the check is the one `stagewise parity` reports
-(common/parity.py): wherever a row first differs from transformers', transformers' own best two
+(common/bench/parity.py): wherever a row first differs from transformers', transformers' own best two
 logits there were within a few bf16 steps of each other, a tie that rounding may break either way.
 A real error (a wrong mask, position or cache entry) flips tokens where the model was sure: the
 median margin of `tiny`'s greedy tokens is about 12 steps, and every difference measured with
@@ -26,7 +26,7 @@ import random
 import pytest
 import torch
 
-from common.parity import first_difference, reference_top2
+from common.bench.parity import first_difference, reference_top2
 from common.requests import Request, SamplingParams
 from conftest import STAGE_DIRS, run_hf_greedy, stage_module, streaming_packages
 

@@ -1,4 +1,4 @@
-"""The engine in its own process (common/engine_process.py), `stagewise serve`'s default.
+"""The engine in its own process (common/serve/engine_process.py), `stagewise serve`'s default.
 
 It must behave as the SchedulerManager it stands for: the same greedy text and streams, errors on
 the request that caused them, cancel and close ending requests and freeing their KV blocks; and
@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 
-from common import serve_cli
-from common.engine_process import EngineProcess, kv_blocks
-from common.serve import ServeState
+from common.serve import engine as serve_engine
+from common.serve.engine_process import EngineProcess, kv_blocks
+from common.serve.app import ServeState
 from conftest import TEST_DEVICE
 from tests.live_server import ServerThread, in_process_texts, scrape, slow_down, wait_for as _wait
 
@@ -29,7 +29,7 @@ PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 def serve_args(*flags: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    serve_cli.add_serve_args(p)
+    serve_engine.add_serve_args(p)
     return p.parse_args(["--stage", "9", "--model", "tiny", "--device", TEST_DEVICE, "--dtype", "float32",
                          "--no-prefix-cache", *flags])
 

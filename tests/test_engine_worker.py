@@ -1,4 +1,4 @@
-"""Fresh processes per engine (common/engine_worker.py) and the matmul floor (common/floor.py).
+"""Fresh processes per engine (common/bench/spawn.py, child.py) and the matmul floor (common/bench/floor.py).
 
 Why: a comparison's numbers are only trusted when each engine ran alone in its own process, so
 the round trip parent -> worker -> parent must keep every field and the greedy token check; a
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common import floor
-from common.engine_worker import WorkerError, spawn
+from common.bench import floor
+from common.bench.spawn import WorkerError, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_floor_sampler_keeps_one_sample_per_run_and_reports_their_median(tiny, m
 
 
 def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     out = tmp_path / "r.json"
     data = run_stage_bench("stages.s03_paged_attention", [
@@ -85,7 +85,7 @@ def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
 def test_rounds_interleave_fresh_processes_and_pool_their_runs(tmp_path, capfd) -> None:
     """--rounds 2: A B, A B, each in a new process; each engine's JSON holds both processes' runs
     and floor samples, and the floor is their median."""
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     data = run_stage_bench("stages.s03_paged_attention", [
         "--model", "tiny", "--device", "cpu", "--compare", "--rounds", "2", "--num-requests", "2",
@@ -105,7 +105,7 @@ def test_rounds_interleave_fresh_processes_and_pool_their_runs(tmp_path, capfd) 
 
 
 def test_merge_rounds_pools_runs_and_catches_tokens_that_differ() -> None:
-    from common.engine_worker import merge_rounds
+    from common.bench.spawn import merge_rounds
 
     def worker(pid: int, tokens: list[list[int]], floor_ms: float) -> dict:
         return {"summaries": [{"pid": pid}], "first_tokens": tokens, "kv": {"pid": pid}, "setup_s": [0.1],
@@ -123,8 +123,8 @@ def test_merge_rounds_pools_runs_and_catches_tokens_that_differ() -> None:
 
 
 def test_rounds_need_fresh_processes(capsys) -> None:
-    from common import bench_flags, ladder
-    from common.bench import run_stage_bench
+    from common.bench import flags, ladder_rungs
+    from common.bench.harness import run_stage_bench
 
     with pytest.raises(SystemExit, match="--rounds"):
         run_stage_bench("stages.s03_paged_attention", ["--model", "tiny", "--rounds", "2"])  # nothing compared
@@ -132,44 +132,44 @@ def test_rounds_need_fresh_processes(capsys) -> None:
         run_stage_bench("stages.s03_paged_attention", ["--model", "tiny", "--rounds", "2", "--compare",
                                                        "--same-process"])
     with pytest.raises(SystemExit, match="--rounds"):
-        ladder.parse_args(["--out", "/tmp/x", "--rounds", "2", "--same-process"])
+        ladder_rungs.parse_args(["--out", "/tmp/x", "--rounds", "2", "--same-process"])
     with pytest.raises(SystemExit, match="--rounds"):
-        ladder.parse_args(["--out", "/tmp/x", "--rounds", "0"])
-    assert bench_flags.build_parser("bench").parse_args([]).rounds == 1
+        ladder_rungs.parse_args(["--out", "/tmp/x", "--rounds", "0"])
+    assert flags.build_parser("bench").parse_args([]).rounds == 1
 
 
 def test_a_rung_that_fails_in_a_round_is_not_run_again(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from common import engine_worker
+    from common.bench import spawn as spawner
 
     calls: list[str] = []
 
     def fake_spawn(job: dict, engine: str) -> dict:
         calls.append(engine)
-        return {"workload_digest": engine_worker.workload_digest([]), "summaries": [{}], "first_tokens": [[1]],
+        return {"workload_digest": spawner.workload_digest([]), "summaries": [{}], "first_tokens": [[1]],
                 "kv": None, "setup_s": [], "process": {"pid": len(calls)},
                 "floor": {"floor_ms": 1.0, "floor_batch": 1, "floor_samples_ms": [1.0]},
                 "error": "RuntimeError: boom" if engine == "bad" else None}
 
-    monkeypatch.setattr(engine_worker, "spawn", fake_spawn)
+    monkeypatch.setattr(spawner, "spawn", fake_spawn)
     good, bad = (SimpleNamespace(name=n, error=None) for n in ("good", "bad"))
-    engine_worker.run_ladder_engines([good, bad], [], [], rounds=3)
+    spawner.run_ladder_engines([good, bad], [], [], rounds=3)
     assert calls == ["good", "bad", "good", "good"]
     assert bad.error == "RuntimeError: boom" and good.error is None and len(good.summaries) == 3
 
 
 def test_ladder_rounds_run_every_rung_once_per_round(monkeypatch, tmp_path) -> None:
-    from common import engine_worker, ladder
+    from common.bench import ladder, spawn as spawner
 
     calls: list[str] = []
-    real_spawn = engine_worker.spawn
+    real_spawn = spawner.spawn
 
     def recording_spawn(job: dict, engine: str) -> dict:
         calls.append(engine)
         return real_spawn(job, engine)
 
-    monkeypatch.setattr(engine_worker, "spawn", recording_spawn)
+    monkeypatch.setattr(spawner, "spawn", recording_spawn)
     data = ladder.run_ladder(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--num-requests", "2",
                               "--max-new-tokens", "2", "--repeat-runs", "1", "--warmup-runs", "0", "--stages", "2,3",
                               "--no-hf", "--rounds", "2"])
@@ -187,12 +187,12 @@ def test_a_failing_worker_names_its_engine() -> None:
 
 
 def test_a_failing_ladder_rung_is_skipped_with_the_reason(monkeypatch, tmp_path) -> None:
-    from common import engine_worker, ladder
+    from common.bench import ladder, spawn as spawner
 
     def boom(job: dict, engine: str) -> dict:
         raise WorkerError(f"{engine}: its worker process (pid 1) exited with code 1; its error is printed above")
 
-    monkeypatch.setattr(engine_worker, "spawn", boom)
+    monkeypatch.setattr(spawner, "spawn", boom)
     with pytest.raises(SystemExit, match="every engine failed"):
         ladder.run_ladder(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--num-requests", "2",
                            "--max-new-tokens", "2", "--repeat-runs", "1", "--warmup-runs", "0", "--stages", "2",
@@ -202,21 +202,21 @@ def test_a_failing_ladder_rung_is_skipped_with_the_reason(monkeypatch, tmp_path)
 def test_decode_step_preset() -> None:
     import argparse
 
-    from common import ladder, ladder_workloads
+    from common.bench import ladder_rungs, ladder_workloads
 
-    args = ladder.parse_args(["--workload", "decode-step", "--out", "/tmp/x"])
+    args = ladder_rungs.parse_args(["--workload", "decode-step", "--out", "/tmp/x"])
     assert args.max_batch_size == 16
     kw = ladder_workloads.workload_kwargs(
         argparse.Namespace(workload="decode-step", num_requests=None, max_new_tokens=None), 8192, [])
     assert kw == {"num_requests": 16, "prompt_len_range": (160, 160), "max_new_tokens": 40, "stop_on_eos": False}
-    assert ladder.parse_args(["--out", "/tmp/x"]).max_batch_size == 8
+    assert ladder_rungs.parse_args(["--out", "/tmp/x"]).max_batch_size == 8
 
 
 def test_old_results_without_the_floor_still_render(tmp_path) -> None:
     import sys
 
-    from common import ladder_report
-    from common.report import format_comparison, format_report
+    from common.bench import ladder_report
+    from common.bench.report import format_comparison, format_report
 
     old = json.loads((ROOT / "tests/data/old_ladder.cpu.json").read_text())  # written before the floor existed
     assert "x_floor" not in old["entries"][0]

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from common import envinfo
+from common.bench import envinfo
 
 
 @pytest.fixture

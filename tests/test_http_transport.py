@@ -1,4 +1,4 @@
-"""common/http_transport.py: a response's head leaves with its first body part, in one write;
+"""common/serve/transport.py: a response's head leaves with its first body part, in one write;
 the listening socket fails fast on a taken port and gives connections with Nagle off."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from common.http_transport import HeadWithBody, bind_socket, http_protocol
+from common.serve.transport import HeadWithBody, bind_socket, http_protocol
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
 CHUNK = b"1a\r\ndata: {\"text\": \"Hi\"}\n\n\r\n"

@@ -1,4 +1,4 @@
-"""`stagewise ladder` (common/ladder.py): one small run on the tiny model, and its pieces.
+"""`stagewise ladder` (common/bench/ladder.py): one small run on the tiny model, and its pieces.
 
 Why: the ladder is the picture the docs lead with, so its files must exist with the fields the
 docs hook reads (`entries[].throughput_tok_s`, `ttft_ms`, `tpot_ms`, `kv.peak_kv_bytes`), the
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common import ladder, ladder_workloads
+from common import stages as registry
+from common.bench import ladder, ladder_rungs, ladder_workloads
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -70,7 +71,7 @@ def test_every_engine_has_the_fields_the_docs_read(small_run) -> None:
     cb = [e for e in data["entries"] if e["engine"] == "hf_continuous_batching"]
     skipped = [s for s in data["skipped"] if s["engine"] == "hf_continuous_batching"]
     assert len(cb) + len(skipped) == 1  # ran, or says why not
-    from common import hf_continuous
+    from common.bench import hf_continuous
     if hf_continuous.available(None)[0]:  # this transformers has it: then it must have run, not failed
         assert cb, skipped
     assert all(s["reason"] for s in data["skipped"])
@@ -104,7 +105,7 @@ def test_workloads_fit_the_context_window() -> None:
 
 
 def test_shared_prefix_and_long_prompts_workloads(tiny) -> None:
-    from common.workloads import build_workload
+    from common.bench.workloads import build_workload
 
     kw = ladder_workloads.workload_kwargs(_args(workload="shared-prefix"), 8192, notes := [])
     assert kw["shared_prefix_len"] == 500 and kw["num_requests"] == 32 and kw["max_new_tokens"] == 32 and not notes
@@ -113,7 +114,7 @@ def test_shared_prefix_and_long_prompts_workloads(tiny) -> None:
     assert kw["num_requests"] == 16 and kw["prompt_len_range"] == (64, 128) and kw["max_new_tokens"] == 96
     assert not notes
     for name in ("shared-prefix", "long-prompts"):
-        assert ladder.parse_args(["--workload", name, "--out", "/tmp/x"]).max_batch_size == 16
+        assert ladder_rungs.parse_args(["--workload", name, "--out", "/tmp/x"]).max_batch_size == 16
         assert ladder_workloads.WORKLOADS[name][0]  # says what it shows
 
     limit = tiny.config.max_position_embeddings  # 128: everything must be cut to fit
@@ -134,15 +135,15 @@ def test_shared_prefix_and_long_prompts_workloads(tiny) -> None:
 
 
 def test_stage_subset_parsing() -> None:
-    assert ladder.parse_stages("1, 2,4") == [1, 2, 4]
-    assert ladder.parse_stages("9,10") == [9, 10]  # the rungs the shared-prefix and long-prompts workloads compare
-    assert ladder.parse_stages(None) == sorted(ladder.registry.STAGES)  # every stage, 01 to the newest
+    assert ladder_rungs.parse_stages("1, 2,4") == [1, 2, 4]
+    assert ladder_rungs.parse_stages("9,10") == [9, 10]  # the rungs the shared-prefix and long-prompts workloads compare
+    assert ladder_rungs.parse_stages(None) == sorted(registry.STAGES)  # every stage, 01 to the newest
     with pytest.raises(ValueError):
-        ladder.parse_stages("1,42")
+        ladder_rungs.parse_stages("1,42")
 
 
 def test_report_redraws_table_and_chart_from_the_json_alone(small_run, tmp_path) -> None:
-    from common import ladder_report
+    from common.bench import ladder_report
 
     out, data, _ = small_run
     copy = tmp_path / "ladder.cpu.json"

@@ -1,4 +1,4 @@
-"""`stagewise ladder` reaches common/ladder.py through the console script's dispatcher.
+"""`stagewise ladder` reaches common/bench/ladder.py through the console script's dispatcher.
 
 The ladder itself is exercised in tests/test_ladder.py; this only checks the wiring a user types.
 """

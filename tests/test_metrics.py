@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.metrics import median_summary, percentiles, summarize
+from common.bench.metrics import median_summary, percentiles, summarize
 from common.requests import Completion
 
 approx = pytest.approx

@@ -1,4 +1,4 @@
-"""`stagewise parity` (common/parity.py): the measured counterpart of tests/test_parity.py.
+"""`stagewise parity` (common/bench/parity.py): the measured counterpart of tests/test_parity.py.
 
 What it must get right: where two token lists first differ, the reference's margin there, and an
 fp32 run on `tiny` that reports every stage identical (the tests' own claim, through the CLI).
@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from common import parity
+from common.bench import parity
 
 
 def test_first_difference():

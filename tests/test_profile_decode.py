@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import profile_decode
+from common.bench import profile_decode
 
 
 @pytest.mark.parametrize("stage", ["2", "3", "9", "11"])
@@ -81,7 +81,7 @@ def test_kv_bytes_and_the_read_floor() -> None:
 
     import torch
 
-    from common.floor import kv_bytes_per_step, read_floor_ms
+    from common.bench.floor import kv_bytes_per_step, read_floor_ms
 
     smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     assert kv_bytes_per_step(smollm2, 16, 180, 4) == 2 * 30 * 16 * 180 * 3 * 64 * 4 == 132_710_400
@@ -93,8 +93,8 @@ def test_kv_bytes_and_the_read_floor() -> None:
 
 def test_attention_free_forward_is_one_token_per_row_and_reads_no_kv(tiny) -> None:
     """attention_free_ms times the model's own forward, one token for each of B rows with the last
-    row's logits only, and an attention that hands back q: no K/V anywhere (common/floor.py)."""
-    from common.floor import attention_free_ms
+    row's logits only, and an attention that hands back q: no K/V anywhere (common/bench/floor.py)."""
+    from common.bench.floor import attention_free_ms
 
     model, calls = tiny.model, []
     forward = model.forward

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common import floor, profile_prefill
+from common.bench import floor, profile_prefill
 
 
 def run(tmp_path: Path, stage: str, prompt_len: int, *extra: str) -> dict:

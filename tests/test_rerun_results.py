@@ -63,7 +63,7 @@ def test_resume_runs_only_what_is_not_from_this_commit(tmp_path, monkeypatch, ca
                                                 "command": f"stagewise profile-decode --json /tmp/{name}"}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
-    monkeypatch.setattr("common.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
+    monkeypatch.setattr("common.bench.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
     assert rerun.main(["--resume", "--list"]) == 0
     out = capsys.readouterr().out
     assert "docs/results/s02_x.cpu.json" in out and "s01_x" not in out
@@ -80,7 +80,7 @@ def test_like_runs_one_devices_commands_into_anothers_files(tmp_path, monkeypatc
     (results / "s01_x.cuda.json").write_text(json.dumps({"env": {"git_commit": "head", "git_dirty": False}}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
-    monkeypatch.setattr("common.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
+    monkeypatch.setattr("common.bench.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
     assert rerun.main(["--like", "cpu", "--device", "cuda", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[-1] for line in lines] == ["docs/results", "docs/results/s01_x.cuda.json",
@@ -99,7 +99,7 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
     import importlib
     import shlex
 
-    from common import bench_flags
+    from common.bench import flags
     from stagewise_results import command_from
 
     checked = 0
@@ -109,7 +109,7 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
             continue
         words = shlex.split(command_from(data))
         assert words[:2] == ["python", "-m"] and words[2].endswith(".bench"), path.name
-        args = bench_flags.parse_bench_args(importlib.import_module(words[2].rsplit(".", 1)[0]), words[3:])
+        args = flags.parse_bench_args(importlib.import_module(words[2].rsplit(".", 1)[0]), words[3:])
         assert {k: getattr(args, k, "missing") for k in data["config"]} == data["config"], path.name
         checked += 1
     assert checked >= 10

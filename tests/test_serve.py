@@ -22,9 +22,9 @@ import httpx
 import openai
 import pytest
 
-from common.openai_protocol import StopMatcher, choice, envelope, sse, text_event
-from common.engine_worker import child_env
-from common.http_transport import bind_socket
+from common.serve.protocol import StopMatcher, choice, envelope, sse, text_event
+from common.bench.spawn import child_env
+from common.serve.transport import bind_socket
 from conftest import TEST_DEVICE
 from tests.live_server import LiveServer, in_process_texts, wait_for as _wait
 
@@ -226,12 +226,12 @@ def test_wrong_method_and_unknown_path_in_openai_shape(live) -> None:
 
 def test_an_unexpected_error_is_a_500_in_openai_shape(live, monkeypatch) -> None:
     """A bug while handling one request answers 500 with the error object; serving goes on."""
-    import common.serve
+    import common.serve.app
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(common.serve, "parse_completion", broken)
+    monkeypatch.setattr(common.serve.app, "parse_completion", broken)
     resp = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi"}, timeout=10)
     assert resp.status_code == 500
     assert resp.json()["error"]["type"] == "internal_error" and "boom" in resp.json()["error"]["message"]
@@ -358,7 +358,7 @@ def _healthy(url: str) -> bool:
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_bench_serve_reports_over_http(live, tmp_path: Path, capsys, loop: str) -> None:
-    from common import bench_serve
+    from common.serve import bench as bench_serve
     out = tmp_path / "serve.json"
     bench_serve.main(["--base-url", live.url, "--model", "tiny", "--num-requests", "6", "--max-new-tokens", "5",
                       "--no-stop-on-eos", "--warmup-runs", "0", "--repeat-runs", "2", "--max-concurrency", "3",
@@ -374,7 +374,7 @@ def test_bench_serve_reports_over_http(live, tmp_path: Path, capsys, loop: str) 
 
 def test_bench_serve_reports_the_servers_error(live) -> None:
     """A refused request fails the run with the server's status and message, not a parse error."""
-    from common import bench_serve
+    from common.serve import bench as bench_serve
     with pytest.raises(RuntimeError, match=r"HTTP 404.*model_not_found"):
         bench_serve.main(["--base-url", live.url, "--model", "not-this-one", "--num-requests", "2",
                           "--max-new-tokens", "2", "--warmup-runs", "0", "--repeat-runs", "1"])
@@ -383,11 +383,11 @@ def test_bench_serve_reports_the_servers_error(live) -> None:
 def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
     import argparse
 
-    from common import serve_cli
+    from common.serve import engine as serve_engine
     p = argparse.ArgumentParser()
-    serve_cli.add_serve_args(p)
+    serve_engine.add_serve_args(p)
     with pytest.raises(SystemExit, match="stage 4 or later"):
-        serve_cli.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
+        serve_engine.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -402,7 +402,7 @@ def test_event_stream_closes_its_events_when_the_client_leaves_during_a_send() -
     """A send that waits (a full socket buffer) when the client goes: EventStream ends, and its
     events generator is closed before it returns, so the request is cancelled at once, not
     whenever the generator happens to be collected."""
-    from common.http_transport import EventStream
+    from common.serve.transport import EventStream
 
     closed: list[bool] = []
 

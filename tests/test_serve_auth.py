@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from common import serve_cli
+from common.serve import engine as serve_engine
 from common import stages as registry
-from common.serve import ServeState
+from common.serve.app import ServeState
 from conftest import TEST_DEVICE
 from tests.live_server import ServerThread
 
@@ -60,7 +60,7 @@ def test_no_key_is_a_401_and_the_probes_stay_open(server) -> None:
 def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch) -> None:
     def parse(*argv: str) -> argparse.Namespace:
         p = argparse.ArgumentParser()
-        serve_cli.add_serve_args(p)
+        serve_engine.add_serve_args(p)
         return p.parse_args(list(argv))
 
     monkeypatch.delenv("STAGEWISE_API_KEY", raising=False)

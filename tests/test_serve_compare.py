@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common import serve_compare
+from common.serve import compare as serve_compare
 from common.loader import model_dir, resolve_device
 from conftest import TEST_DEVICE
 

@@ -90,7 +90,7 @@ def test_prefix_cache_counters_are_the_engines(loaded) -> None:
     """Stage 10's block-level prefix cache: a prompt sent twice reuses its full blocks the second
     time, and /metrics says what the engine counted, in requests and in tokens."""
     from common import stages as registry
-    from common.serve import ServeState
+    from common.serve.app import ServeState
     from tests.live_server import ServerThread
 
     stage = registry.load_stage(10)

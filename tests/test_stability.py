@@ -1,4 +1,4 @@
-"""`stagewise stability` (common/stability.py): N fresh processes of one stage's bench.
+"""`stagewise stability` (common/bench/stability.py): N fresh processes of one stage's bench.
 
 Why: the tool judges whether separate processes agree, so its arithmetic (median, largest
 deviation) and its JSON must be right; the processes themselves are faked here (the worker
@@ -11,7 +11,8 @@ import statistics
 
 import pytest
 
-from common import cli, stability
+from common import cli
+from common.bench import stability
 
 
 def test_deviation_from_the_median() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from common import stages as registry
 from common.requests import Completion, Request, SamplingParams
-from common.streaming_bench import run_streaming_once
+from common.bench.streaming import run_streaming_once
 
 
 class FakeTokenizer:
@@ -206,7 +206,7 @@ def fake_streaming_stages(monkeypatch):
 
 
 def test_streaming_bench_json_and_report(fake_streaming_stages, tmp_path, capsys):
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     out = tmp_path / "r.json"
     run_stage_bench("fake_s05", ["--compare", "--submit-interval-ms", "5", "--warmup-runs", "1",
@@ -227,7 +227,7 @@ def test_streaming_bench_json_and_report(fake_streaming_stages, tmp_path, capsys
 
 
 def test_compare_with_a_stage_without_manager_falls_back_to_offline(fake_streaming_stages, capsys):
-    from common.bench import run_stage_bench
+    from common.bench.harness import run_stage_bench
 
     result = run_stage_bench("fake_s04", ["--compare", "--warmup-runs", "0", "--repeat-runs", "1", "--same-process"])
     assert result["mode"] == "offline" and result["compare"][0]["engine"] == "fake_s03"
@@ -272,8 +272,8 @@ def test_late_requests_are_submitted_no_earlier_than_planned_and_in_planned_orde
 
 def test_a_stages_manager_gets_the_late_long_prompts_late(tiny):
     from common import stages as registry
-    from common.bench_flags import accepted
-    from common.workloads import build_workload
+    from common.bench.flags import accepted
+    from common.bench.workloads import build_workload
 
     module = registry.load_stage(registry.newest_available_stage())
     reqs = build_workload(tiny.tokenizer, num_requests=3, prompt_len_range=(8, 16), max_new_tokens=4,

@@ -176,10 +176,10 @@ def test_idle_priority_is_a_no_op_without_sched_idle(monkeypatch):
 def _serve_manager(*flags: str):
     import argparse
 
-    from common import serve_cli
+    from common.serve import engine as serve_engine
     p = argparse.ArgumentParser()
-    serve_cli.add_serve_args(p)
-    return serve_cli.build_manager(p.parse_args(["--stage", "9", "--model", "tiny", "--device", "cpu", *flags]))[0]
+    serve_engine.add_serve_args(p)
+    return serve_engine.build_manager(p.parse_args(["--stage", "9", "--model", "tiny", "--device", "cpu", *flags]))[0]
 
 
 @pytest.mark.skipif(not CAN_IDLE, reason="Linux's SCHED_IDLE (allowed here)")
@@ -197,7 +197,7 @@ def test_serve_puts_its_cpu_worker_in_the_idle_class_unless_told_not_to(flags, p
 
 
 def test_worker_priority_auto_is_idle_on_a_cpu_only():
-    from common.serve_cli import worker_priority
+    from common.serve.engine import worker_priority
     assert worker_priority("auto", torch.device("cuda")) == "normal"
     assert worker_priority("normal", torch.device("cpu")) == "normal"
     assert worker_priority("auto", torch.device("cpu")) == ("idle" if IDLE is not None else "normal")

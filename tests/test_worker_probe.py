@@ -1,4 +1,4 @@
-"""`stagewise worker-probe` (common/worker_probe.py): the stage's own bench, with stopwatches on
+"""`stagewise worker-probe` (common/bench/worker_probe.py): the stage's own bench, with stopwatches on
 its worker. Its sections must account for every token the run produced (each decode step's
 batch, plus one token per prompt from its prefill) and the bench must run as it does unprobed:
 the wrappers keep the signatures the bench reads. No timing is asserted.
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common import cli, worker_probe
+from common import cli
+from common.bench import worker_probe
 
 BENCH = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--num-requests", "6", "--max-new-tokens", "5",
          "--no-stop-on-eos", "--max-batch-size", "4", "--warmup-runs", "1", "--repeat-runs", "2"]

@@ -1,7 +1,7 @@
 """Markdown from the committed bench JSON (`docs/results/*.json`), for the stagewise hook.
 
 Why separate: the hook (stagewise.py) finds directives; this module knows the JSON shape that
-common/bench.py writes (design.md, "Bench JSON") and turns it into tables. A missing file is
+common/bench/harness.py writes (design.md, "Bench JSON") and turns it into tables. A missing file is
 `None` (the page says how to produce it); a malformed one raises DocsError, failing the build.
 """
 
@@ -112,7 +112,7 @@ def _number(data: Any, key: str, path: str) -> float:
 
 
 def check_result(data: dict, path: str) -> None:
-    """The minimum shape common/bench.py promises (see design.md, "Bench JSON")."""
+    """The minimum shape common/bench/harness.py promises (see design.md, "Bench JSON")."""
     for key in ("throughput_tok_s.completion", "throughput_tok_s.total"):
         _number(data, key, path)
     for m in REQUIRED_PCT:

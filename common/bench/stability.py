@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.bench import write_json
-from common.engine_worker import REPO_ROOT, child_env
+from common.bench.results import write_json
+from common.bench.spawn import REPO_ROOT, child_env
 
 # (result key path, column label, format)
 COLUMNS: list[tuple[tuple[str, ...], str, str]] = [
@@ -111,7 +111,7 @@ def run_stability(argv: list[str]) -> dict:
     args, bench_argv = build_parser().parse_known_args(argv)
     if args.processes < 1:
         raise SystemExit("--processes: must be >= 1")
-    from common.cli import resolve_stage
+    from common.stages import resolve_stage
     from common.stages import short_name
 
     package = resolve_stage(args.stage)

@@ -1,27 +1,25 @@
-"""One engine of a comparison, measured alone in a fresh process: `python -m common.engine_worker`.
+"""Each engine of a comparison measured alone, in a fresh process: the parent's side.
 
 Why: on a CPU the same engine's throughput depends on what ran before it in the process (glibc
 malloc thresholds, page faults, allocator caches). Measured on a 2-core CPU, stage 09 alone in
 five fresh processes gave 64-144 completion tok/s, 45-56 with a second engine in the process and
 130-150 after transformers' generate. So a number from a shared process depends on run order.
-Every A/B (bench `--compare` / `--baseline`, the ladder) therefore runs each engine here, in its
-own process: it loads the model, rebuilds the workload from the same flags and seed, does the
-warmup and the repeats, measures the matmul floor (common/floor.py), and writes back JSON. The
-parent prints the reports and checks the greedy token ids across engines, as before.
-
-    python -m common.engine_worker JOB.json OUT.json       (written and read by `spawn`)
+Every A/B (bench `--compare` / `--baseline`, the ladder) therefore runs each engine in its own
+`python -m common.bench.child` (common/bench/child.py): it loads the model, rebuilds the workload
+from the same flags and seed, does the warmup and the repeats, measures the matmul floor
+(common/bench/floor.py), and writes back JSON. The parent prints the reports and checks the
+greedy token ids across engines, as before.
 
 With `--rounds R` each engine gets R fresh processes, interleaved (A B C, A B C, ...), and its
 runs are pooled: a shared VM has slow minutes, and one that falls on one engine's only process
 moves that engine alone (the same stage 09 code gave 85 and 119 ms decode steps in two rungs of
 one ladder); spread over rounds, it falls on every engine alike.
 
-`run_bench_engines` and `run_ladder_engines` are the parents' side; `bench_job` and
-`ladder_job` the child's.
+The child never imports this module: it runs what the parent names, and the parent knows the
+child only as a command line and two JSON files.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -29,20 +27,15 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from common.bench.engines import check_same_tokens
+from common.bench.workloads import workload_digest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerError(RuntimeError):
     """An engine's worker process failed; the message names the engine and its exit code."""
-
-
-def workload_digest(requests: list) -> str:
-    """A fingerprint of a workload, so the parent can check the child rebuilt the same requests."""
-    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos, r.submit_offset_s]
-            for r in requests]
-    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def child_env() -> dict[str, str]:
@@ -54,7 +47,7 @@ def child_env() -> dict[str, str]:
 
 
 def spawn(job: dict, engine: str) -> dict:
-    """Run `job` in a fresh `python -m common.engine_worker` and return its JSON.
+    """Run `job` in a fresh `python -m common.bench.child` and return its JSON.
 
     The child shares our stdout and stderr, so its progress and any traceback show as they
     happen; a non-zero exit raises WorkerError naming the engine instead of hanging or guessing."""
@@ -63,7 +56,7 @@ def spawn(job: dict, engine: str) -> dict:
         job_path.write_text(json.dumps(job, default=str))
         sys.stdout.flush()
         sys.stderr.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "common.engine_worker", str(job_path), str(out_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "common.bench.child", str(job_path), str(out_path)],
                                 cwd=REPO_ROOT, env=child_env())
         code = proc.wait()
         if code != 0 or not out_path.is_file():
@@ -99,10 +92,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def run_bench_engines(specs: list, stage_package: str, argv: list[str], mode: str, requests: list,
                       rounds: int = 1) -> dict:
     """Each bench engine alone in its own worker process (warmups, then repeats), one after the
-    other, `rounds` times over; their results land on `specs` (common.bench.EngineSpec). Returns
+    other, `rounds` times over; their results land on `specs` (common.bench.engines.EngineSpec). Returns
     the token-id check."""
-    from common.bench import check_same_tokens
-
     digest = workload_digest(requests)
     got: dict[str, list[dict]] = {spec.name: [] for spec in specs}
     for r in range(rounds):
@@ -124,7 +115,7 @@ def run_bench_engines(specs: list, stage_package: str, argv: list[str], mode: st
 
 
 def run_ladder_engines(engines: list, argv: list[str], requests: list, rounds: int = 1) -> None:
-    """Each ladder rung (common.ladder.Engine) alone in its own worker process, one after the
+    """Each ladder rung (common.bench.ladder_rungs.Engine) alone in its own worker process, one after the
     other, `rounds` times over; a rung whose worker fails gets `error` set and the ladder goes on
     without it."""
     digest = workload_digest(requests)
@@ -154,85 +145,3 @@ def run_ladder_engines(engines: list, argv: list[str], requests: list, rounds: i
 
 def _round(r: int, rounds: int) -> str:
     return f", round {r + 1} of {rounds}" if rounds > 1 else ""
-
-
-# ----------------------------------------------------------------------------- child side
-
-def bench_job(job: dict) -> dict:
-    """One engine of `python -m stages.<stage>.bench`, parsed from the same argv as the parent."""
-    import importlib
-
-    import torch
-
-    from common import bench, bench_flags
-    from common.floor import FloorSampler, decode_batch
-    from common.loader import load_model
-
-    package, engine = job["package"], job["engine"]
-    module = importlib.import_module(package)
-    args = bench_flags.parse_bench_args(module, job["argv"])
-    bench_flags.check_args(args)
-    torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = bench_flags.workload_from_args(loaded.tokenizer, args)
-    specs = [s for s in bench.build_specs(package, args, loaded, []) if s.name == engine]
-    if not specs:
-        raise SystemExit(f"engine_worker: {package}'s bench has no engine {engine!r}")
-    spec = specs[0]
-    floor = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))
-    if job["mode"] == "streaming":
-        from common import streaming_bench
-        streaming_bench.run_streaming_engines([spec], requests, args, after_run=floor)
-    else:
-        bench.run_engines([spec], lambda s: bench.run_offline_once(s, requests), requests,
-                          args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
-    return {"engine": spec.name, "summaries": spec.summaries, "first_tokens": spec.first_tokens,
-            "kv": spec.engine.kv_stats() if hasattr(spec.engine, "kv_stats") else None,
-            "floor": floor.fields(), "workload_digest": workload_digest(requests), "env": _env(loaded)}
-
-
-def ladder_job(job: dict) -> dict:
-    """One rung of `stagewise ladder`, parsed from the same argv as the parent."""
-    from common import ladder
-    from common.floor import FloorSampler, decode_batch
-
-    args = ladder.parse_args(job["argv"])
-    setup = ladder.prepare(args, [])
-    engine = job["engine"]
-    stage = int(engine[1:3]) if engine.startswith("s") and engine[1:3].isdigit() else None
-    engines = ladder.build_engines(args, setup, [] if stage is None else [stage], hf=stage is None, notes=[], skipped=[])
-    picked = [e for e in engines if e.name == engine]
-    if not picked:
-        raise SystemExit(f"engine_worker: the ladder has no engine {engine!r} here")
-    e = picked[0]
-    floor = FloorSampler(setup.loaded.model, decode_batch(args.max_batch_size, len(setup.requests)))
-    ladder.run_all([e], setup.requests, args, after_run=floor)
-    return {"engine": e.name, "error": e.error, "summaries": e.summaries, "first_tokens": e.first_tokens,
-            "kv": e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else None,
-            "setup_s": list(getattr(e.engine, "setup_s", None) or []),
-            "floor": floor.fields(), "workload_digest": workload_digest(setup.requests), "env": _env(setup.loaded)}
-
-
-def _env(loaded: Any) -> dict:
-    from common.envinfo import collect_env
-    return collect_env(loaded.device)
-
-
-JOBS = {"bench": bench_job, "ladder": ladder_job}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 2:
-        print("usage: python -m common.engine_worker JOB.json OUT.json", file=sys.stderr)
-        return 2
-    job = json.loads(Path(argv[0]).read_text())
-    import common.envinfo  # noqa: F401  here, before the job imports the code: its GIT_AT_START is what runs
-    result = JOBS[job["kind"]](job)
-    result["pid"] = os.getpid()
-    Path(argv[1]).write_text(json.dumps(result, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

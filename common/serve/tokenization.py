@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.openai_protocol import bad_request, chat_prompt, check_fields, check_model, model_field, parse_json
+from common.serve.protocol import bad_request, chat_prompt, check_fields, check_model, model_field, parse_json
 from common.tokenizer import encode
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "return_token_strs"}

@@ -1,43 +1,27 @@
-"""The benchmark harness every stage shares: `python -m stages.<stage>.bench`.
+"""The engines of a bench: how each is built, run and summed up, in this process.
 
-Method (the same for every number this project reports):
-1. each engine of a comparison in its own fresh process (common/engine_worker.py), because a
-   CPU engine's speed depends on what ran before it in the process; `--same-process` runs them
-   all in this one, alternating (A B A B ...), as the harness used to;
-2. one workload (`common.workloads`), rebuilt from the same flags and seed in every process
-   (checked by a digest), fresh copies of it for every run of every engine;
-3. correctness: a greedy workload must give the same token ids on every compared engine in its
-   first run (a loud warning names the first differing request);
-4. warmup runs, then repeat runs; the report shows medians over repeats plus the run-to-run
-   spread; `--json` keeps every run;
-5. the matmul floor (common/floor.py) measured in each engine's process after its runs, and
-   each engine's decode step (ITL p50) as a multiple of it: `x floor`.
-Stages 01-03 are measured through `engine.generate(requests)` (offline); stages that export a
-`SchedulerManager` go through `common.streaming_bench`, the posts' streaming benchmark.
+An `EngineSpec` is one engine of a comparison (a stage, or transformers' `generate` with
+`--baseline hf`). The harness (common/bench/harness.py) runs the specs here when there is one,
+or when `--same-process` says so; otherwise each runs in a process of its own
+(common/bench/spawn.py), whose child (common/bench/child.py) runs it here, alone. Both sides
+import this module, so the two ways of running an engine cannot drift apart.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-import torch
-
 from common import stages as registry
-from common.bench_flags import (PREFIX_CACHE_KNOBS, accepted, check_args, describe_workload, engine_knobs,
-                                 parse_bench_args, workload_from_args)
-from common.envinfo import collect_env
-from common.floor import FloorSampler, decode_batch, with_x_floor
-from common.metrics import median_summary, summarize
-from common.report import comparison_ratios, format_comparison, format_report
-from common.workloads import fresh_copies
+from common.bench.flags import PREFIX_CACHE_KNOBS, accepted, describe_workload, engine_knobs
+from common.bench.floor import with_x_floor
+from common.bench.metrics import median_summary, summarize
+from common.bench.workloads import fresh_copies
 
 
 @dataclass
@@ -55,7 +39,7 @@ class EngineSpec:
     process: dict | None = None            # fresh_process, pid, exit_code
 
 
-# ----------------------------------------------------------------------------- engines
+# ----------------------------------------------------------------------------- building
 
 def stage_spec(package: str, args: argparse.Namespace, loaded, notes: list[str]) -> EngineSpec:
     module = importlib.import_module(package)
@@ -77,7 +61,7 @@ def stage_spec(package: str, args: argparse.Namespace, loaded, notes: list[str])
 
 
 def hf_spec(args: argparse.Namespace, loaded) -> EngineSpec:
-    from common import hf_baseline
+    from common.bench import hf_baseline
     return EngineSpec("hf_generate", lambda: hf_baseline.HFGenerateEngine(loaded, max_batch_size=args.max_batch_size))
 
 
@@ -186,27 +170,6 @@ def shared_process(engines: int | None) -> dict:
     return {"fresh_process": False, "engines_in_process": engines, "pid": os.getpid(), "exit_code": None}
 
 
-def write_json(path: str | Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    print(f"wrote {path}", flush=True)
-
-
-def write_result(path: str | Path, result: dict, program: str, argv: list[str] | None) -> None:
-    """A `stagewise <program>` result with the command that made it and where it ran (`result["device"]`)."""
-    words = sys.argv[1:] if argv is None else argv
-    write_json(path, {**result, "command": f"stagewise {program} " + " ".join(words), "env": collect_env(result["device"])})
-
-
-def print_and_write(program: str, result: dict, report: str, path: str | None, argv: list[str] | None) -> int:
-    """Print a `stagewise <program>` report, and write its result where `--json` said (if it did)."""
-    print(report, flush=True)
-    if path:
-        write_result(path, result, program, argv)
-    return 0
-
-
 KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache max concurrency",
                "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size",
                "max_num_batched_tokens": "Max num batched tokens"}
@@ -228,75 +191,3 @@ def offline_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
             "Engine": spec.name, "Mode": "offline generate()", "Workload": describe_workload(args),
             "Max batch size": args.max_batch_size, **knob_header(spec),
             "Repeats": f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"}
-
-
-def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
-    """Entry point of every `stages/<stage>/bench.py`; returns the JSON-shaped result."""
-    module = importlib.import_module(stage_package)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_bench_args(module, argv)
-    check_args(args)
-    from common.loader import load_model
-
-    torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = workload_from_args(loaded.tokenizer, args)
-    notes: list[str] = []
-    specs = build_specs(stage_package, args, loaded, notes)
-
-    mode = args.mode or ("streaming" if hasattr(module, "SchedulerManager") else "offline")
-    if mode == "streaming":
-        lacking = [s.name for s in specs if s.module is None or not hasattr(s.module, "SchedulerManager")]
-        if lacking:
-            notes.append(f"{', '.join(lacking)} has no SchedulerManager: every engine runs through offline "
-                         f"generate() so the comparison stays like for like")
-            mode = "offline"
-    if mode == "offline" and any(r.submit_offset_s is not None for r in requests):
-        notes.append("offline generate() takes every request at once: the late requests' planned arrivals "
-                     "(--long-prompts) are ignored")
-    for note in notes:
-        print(f"note: {note}", flush=True)
-
-    fresh = len(specs) > 1 and not args.same_process
-    floor = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))  # in-process runs
-    if fresh:
-        from common.engine_worker import run_bench_engines
-        correctness = run_bench_engines(specs, stage_package, argv, mode, requests, rounds=args.rounds)
-    elif mode == "streaming":
-        from common import streaming_bench
-        correctness = streaming_bench.run_streaming_engines(specs, requests, args, after_run=floor)
-    else:
-        correctness = run_engines(specs, lambda s: run_offline_once(s, requests), requests,
-                                  args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
-    if not fresh:  # sampled after each run here, as each worker does in its own process
-        fields = floor.fields()
-        for spec in specs:
-            spec.floor = fields
-            spec.process = shared_process(len(specs))
-    if mode == "streaming":
-        from common import streaming_bench
-        headers = [streaming_bench.streaming_header(args, loaded, s) for s in specs]
-    else:
-        headers = [offline_header(args, loaded, s) for s in specs]
-    process = "fresh, this engine alone" if fresh or len(specs) == 1 else "shared, engines alternating"
-    rounds = args.rounds if fresh else 1
-    if rounds > 1:
-        process += f", {rounds} processes interleaved with the others'"
-    for header in headers:
-        header["Process"] = process
-        if rounds > 1:
-            header["Repeats"] = (f"{args.repeat_runs} (+{args.warmup_runs} warmup) in each of {rounds} "
-                                 f"processes, medians of all {rounds * args.repeat_runs}")
-
-    results = [engine_result(s, mode) for s in specs]
-    for result, header in zip(results, headers):
-        print(format_report(result, header, runs=result["runs"]), flush=True)
-    if len(results) > 1:
-        print(format_comparison(results), flush=True)
-    out = {"stage": registry.short_name(stage_package), "model": loaded.name, "device": str(loaded.device),
-           "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(args),
-           "env": collect_env(loaded.device), **results[0], "compare": results[1:],
-           "ratios": comparison_ratios(results), "correctness": correctness, "notes": notes}
-    if args.json:
-        write_json(args.json, out)
-    return out

@@ -2,9 +2,11 @@
 ladder, `stagewise bench-serve`, `serve` and `serve-overhead` all read them from here, so one
 workload flag or engine knob means the same thing everywhere.
 
-- `WORKLOAD_FLAGS` and `workload_from_args`: the workload (`common.workloads`) from the flags;
+- `WORKLOAD_FLAGS` and `workload_from_args`: the workload (`common.bench.workloads`) from the flags;
 - `add_engine_knob_args`, `engine_knobs` and `accepted`: the stages' engine knobs, each passed
   only to a constructor that takes it;
+- `add_streaming_args`, `add_manager_args` and `manager_knobs`: how requests are submitted, and
+  the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
   `--preset`) as defaults.
 """
@@ -15,7 +17,7 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from common.workloads import build_workload
+from common.bench.workloads import build_workload
 
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
                 "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens")
@@ -83,9 +85,36 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
 
 
-def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentParser:
-    from common.streaming_bench import add_streaming_args
+def add_streaming_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("streaming (stages with a SchedulerManager)")
+    g.add_argument("--pretok", action="store_true", help="submit prompt_token_ids (tokenize before submitting)")
+    g.add_argument("--pretok-base-token-ids", action="store_true",
+                   help="with --pretok: tokenize the prompt before --unique-prompts' suffix (same ids, different text)")
+    add_manager_args(g)
+    g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
+    g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
+    g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
 
+
+def add_manager_args(g: argparse._ArgumentGroup) -> None:
+    """The SchedulerManager's own knobs as flags (the benches and `stagewise serve`); see `manager_knobs`."""
+    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = add_request's caller tokenizes)")
+    g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
+    g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
+                   help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")
+    g.add_argument("--queue-quiet-ms", type=float, default=5.0,
+                   help="with --max-queue-delay-ms: admit once no request has arrived for this long")
+
+
+def manager_knobs(args: argparse.Namespace) -> dict:
+    """SchedulerManager keyword arguments from the flags; pass them through `accepted`, since
+    earlier stages' managers take fewer."""
+    return {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
+            "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
+            "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
+
+
+def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark a stage (see docs: method).")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any, Callable
 
-import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
 Event = tuple[str, float, float, int]  # (section, start, seconds, rows: batch or prompts)
 
@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
-    from common.bench import run_stage_bench, write_result
-    from common.cli import resolve_stage
+    from common.bench.harness import run_stage_bench
+    from common.bench.results import write_result
+    from common.stages import resolve_stage
 
     if a.no_cudnn_attention:  # a global switch of torch's, so the worker thread sees it too
         import torch

@@ -5,7 +5,7 @@
 
 A prefill of N tokens makes every projection a decode step makes, on N rows at once (and the
 lm_head on the last row only: only its logits are sampled). Those products alone, on the same
-weights, dtype and device, in the same process, are the prefill's floor, as `common/floor.py`
+weights, dtype and device, in the same process, are the prefill's floor, as `common/bench/floor.py`
 times them for a decode step; `x floor` (prefill / floor) is what the rest costs: attention,
 which grows with N², the norms, RoPE and activations, and the K/V written to the cache. The
 floor's own rate (`matmul_gflops`, floating-point operations of the projections per second) says
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
+import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+from common.bench.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +85,7 @@ class PrefillTimer:
 def projection_flops(model: torch.nn.Module, rows: int) -> float:
     """Floating-point operations of a prefill's projections: 2 * in * out per row and product,
     every layer's on `rows` rows, the lm_head's on one."""
-    from common.floor import decode_matmuls
+    from common.bench.floor import decode_matmuls
     mats = decode_matmuls(model)
     per_row = sum(w.shape[0] * w.shape[1] for w, _, _ in mats[:-1])
     lm_head = mats[-1][0]
@@ -100,9 +100,9 @@ def attention_flops(config: Any, tokens: int) -> float:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.floor import matmul_floor_ms
+    from common.bench.floor import matmul_floor_ms
     from common.requests import Request, SamplingParams
-    from common.workloads import model_token_range, random_token_ids
+    from common.bench.workloads import model_token_range, random_token_ids
 
     # Prefix cache off: a random prompt never hits it, and without it each run's blocks go back to
     # the pool, so the timed runs reuse the blocks the warm-up touched (see the module docstring).
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("profile-prefill: --prompt-len and --repeats must be >= 1")
     torch.manual_seed(a.seed)
     result = measure(a)
-    from common.bench import print_and_write
+    from common.bench.results import print_and_write
     return print_and_write("profile-prefill", result, format_profile(result, a.top), a.json, argv)
 
 

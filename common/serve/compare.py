@@ -28,9 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common.bench import write_json
-from common.envinfo import REPO_ROOT, collect_env
-from common.report import comparison_ratios, format_comparison
+from common.bench.results import write_json
+from common.bench.envinfo import REPO_ROOT, collect_env
+from common.bench.report import comparison_ratios, format_comparison
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both servers load a local directory
 START_TIMEOUT_S = 900.0  # a first run converts SmolLM2's GGUF; transformers' imports take a while too
@@ -71,7 +71,7 @@ def server_commands(a: argparse.Namespace, model_path: Path, device: str, dtype:
 
 
 def free_port() -> int:
-    from common.http_transport import bind_socket
+    from common.serve.transport import bind_socket
     with bind_socket("127.0.0.1", 0) as sock:
         return sock.getsockname()[1]
 
@@ -133,7 +133,7 @@ def run_side(a: argparse.Namespace, side: str, cmd: list[str], url: str, served_
 
 def combine(label: str, cmd: list[str], results: list[dict]) -> dict:
     """One side's runs from every round, as one bench-shaped entry (medians and spread over them all)."""
-    from common.metrics import median_summary
+    from common.bench.metrics import median_summary
     runs = [run for res in results for run in res["runs"]]
     return {"engine": label, "mode": "http", **median_summary(runs), "runs": runs, "server_command": shlex.join(cmd),
             "server": results[0].get("server"), "bench_serve_config": results[0].get("config")}

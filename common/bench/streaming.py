@@ -19,38 +19,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from common.bench import EngineSpec, knob_header, run_engines
-from common.bench_flags import accepted, describe_workload
-from common.metrics import percentiles, summarize
-
-
-def add_streaming_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("streaming (stages with a SchedulerManager)")
-    g.add_argument("--pretok", action="store_true", help="submit prompt_token_ids (tokenize before submitting)")
-    g.add_argument("--pretok-base-token-ids", action="store_true",
-                   help="with --pretok: tokenize the prompt before --unique-prompts' suffix (same ids, different text)")
-    add_manager_args(g)
-    g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
-    g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
-    g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
-
-
-def add_manager_args(g: argparse._ArgumentGroup) -> None:
-    """The SchedulerManager's own knobs as flags (the benches and `stagewise serve`); see `manager_knobs`."""
-    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = add_request's caller tokenizes)")
-    g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
-    g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
-                   help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")
-    g.add_argument("--queue-quiet-ms", type=float, default=5.0,
-                   help="with --max-queue-delay-ms: admit once no request has arrived for this long")
-
-
-def manager_knobs(args: argparse.Namespace) -> dict:
-    """SchedulerManager keyword arguments from the flags; pass them through `accepted`, since
-    earlier stages' managers take fewer."""
-    return {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
-            "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
-            "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
+from common.bench.engines import EngineSpec, knob_header, run_engines
+from common.bench.flags import accepted, describe_workload, manager_knobs
+from common.bench.metrics import percentiles, summarize
 
 
 def _sleep_until(deadline: float) -> None:
@@ -194,7 +165,7 @@ def make_manager(spec: EngineSpec, args: argparse.Namespace) -> Any:
 
 def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argparse.Namespace,
                           after_run: Callable[[], None] | None = None) -> dict:
-    """Warmups and alternating repeats (common.bench.run_engines), each run on a new manager."""
+    """Warmups and alternating repeats (common.bench.engines.run_engines), each run on a new manager."""
 
     def run_once(spec: EngineSpec) -> tuple[dict, list]:
         manager = make_manager(spec, args)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .linear import linear
+from common.linear import linear
 
 
 def decode_batch(max_batch_size: int, num_requests: int) -> int:

@@ -17,6 +17,9 @@ Everything random comes from one seeded RNG, so a workload is reproducible from 
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
 import copy
 import math
 import random
@@ -155,3 +158,10 @@ def build_workload(
 def fresh_copies(requests: list[Request]) -> list[Request]:
     """Deep copies, so no engine can see (or mutate) state another engine left on a request."""
     return copy.deepcopy(requests)
+
+
+def workload_digest(requests: list) -> str:
+    """A fingerprint of a workload, so the parent can check the child rebuilt the same requests."""
+    rows = [[r.prompt, r.prompt_token_ids, r.params.max_new_tokens, r.params.stop_on_eos, r.submit_offset_s]
+            for r in requests]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
 PROMPTS = [
     "Hello",
@@ -99,11 +99,11 @@ def compare(outputs: list[list[int]], reference: list[list[int]], prompts: list[
 
 def measure(a: argparse.Namespace) -> dict:
     from common import stages as registry
-    from common.bench_flags import accepted
-    from common.hf_baseline import HFGenerateEngine
+    from common.bench.flags import accepted
+    from common.bench.hf_baseline import HFGenerateEngine
     from common.loader import load_model
     from common.requests import Request, SamplingParams
-    from common.workloads import model_token_range, random_token_ids
+    from common.bench.workloads import model_token_range, random_token_ids
 
     loaded = load_model(a.model, device=a.device, dtype=a.dtype)
     rng = random.Random(a.seed)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("parity: --max-new-tokens and --max-batch-size must be >= 1, --random-prompts >= 0")
     torch.manual_seed(a.seed)
     result = measure(a)
-    from common.bench import print_and_write
+    from common.bench.results import print_and_write
     return print_and_write("parity", result, format_parity(result), a.json, argv)
 
 

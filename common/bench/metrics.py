@@ -6,7 +6,7 @@ Per request, with `ts` = its token timestamps and `submitted` = `timings["submit
 * TPOT    = (ts[-1] - ts[0]) / (n - 1)            (0 when n == 1, as the posts print 0.00)
 * ITL     = every ts[i] - ts[i-1], pooled over all requests (the distribution of gaps)
 * decode step = ITL p50: the median gap, i.e. the time one decode step takes as a client sees it
-  (compared with the matmul floor of common/floor.py)
+  (compared with the matmul floor of common/bench/floor.py)
 * latency = ts[-1] - submitted
 * throughput = completion tokens / wall and (prompt + completion) tokens / wall, with
   wall = first submit -> last token unless the caller measured it.

@@ -335,12 +335,12 @@ def _engine_main(conn: Any, serve_args: argparse.Namespace) -> None:
     """The engine process: build the manager from serve's flags, then serve the pipe until told to stop."""
     import gc
 
-    from common import serve_cli
+    from common.serve.engine import build_manager
 
     # Ctrl-C reaches every process in the terminal's group; the server decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        manager, stage = serve_cli.build_manager(serve_args)
+        manager, stage = build_manager(serve_args)
     except SystemExit as exc:  # e.g. a stage without a SchedulerManager: the server exits with it
         conn.send(("failed", str(exc)))
         return

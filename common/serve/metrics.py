@@ -103,7 +103,7 @@ class ServeMetrics:
 
     def render(self, engine: dict) -> str:
         """The text a scrape gets (Prometheus exposition format 0.0.4); `engine` is what the engine
-        said of itself (`common.engine_process.engine_stats`: its KV pool, its prefix cache)."""
+        said of itself (`common.serve.engine_process.engine_stats`: its KV pool, its prefix cache)."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:

@@ -3,7 +3,7 @@
     stagewise profile-decode --stage 9 --model smollm2-135m --batch 16 --prompt-len 160 \\
         --json docs/results/profile.s09_batched_worker_lookups.b16.cpu.json
 
-`x floor` (the benches' decode step over the model's matmuls alone, common/floor.py) says how
+`x floor` (the benches' decode step over the model's matmuls alone, common/bench/floor.py) says how
 much of a step is overhead; this says which overhead. B requests of random prompt tokens run
 through the stage's offline `generate` (one static batch, EOS ignored). A decode step runs from
 one one-token forward to the next: the forward, sampling and the engine's bookkeeping, as the
@@ -21,10 +21,10 @@ The floor's own matmuls are profiled the same way, so `matmul_vs_floor` compares
 under the same profiler: above 1, the model's matmuls run slower inside a step than alone.
 The matmul floor leaves out the K/V, which a step must read too: `kv_read_floor_ms` is the time
 to read those bytes once (every row's cached tokens, every layer; `kv_bytes_per_step`) at the
-speed this machine streams memory, measured in the same process (common/floor.py), and
+speed this machine streams memory, measured in the same process (common/bench/floor.py), and
 `attention_vs_kv_read_floor` compares the attention and kv_cache groups with it.
 `attention_free_step_ms` is the same model's forward for the batch with attention replaced by a
-no-op, and the greedy pick (common/floor.py): every other op of a step, as eager PyTorch runs
+no-op, and the greedy pick (common/bench/floor.py): every other op of a step, as eager PyTorch runs
 them. `x_floor_bound` = (that + the K/V read floor) / the matmul floor is the least `x floor` any
 attention design reaches with this forward at this batch and context, since a step runs the two
 one after the other; a stage's `x floor` above it is its attention's and its engine's cost.
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import common.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
@@ -105,8 +105,8 @@ def op_table(prof: Any, steps: int, kernels: bool = False) -> list[dict]:
 
 def stage_engine(a: argparse.Namespace, knobs: dict) -> tuple[str, Any, Any]:
     """(stage package, loaded model, the stage's offline InferenceEngine with those of `knobs` it takes)."""
-    from common.bench_flags import accepted
-    from common.cli import resolve_stage
+    from common.bench.flags import accepted
+    from common.stages import resolve_stage
     from common.loader import load_model
 
     package = resolve_stage(a.stage)
@@ -195,9 +195,9 @@ class DecodeWindow:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.floor import attention_free_ms, decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms
+    from common.bench.floor import (attention_free_ms, decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms)
     from common.requests import Request, SamplingParams
-    from common.workloads import model_token_range, random_token_ids
+    from common.bench.workloads import model_token_range, random_token_ids
 
     package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch})
     rng = random.Random(a.seed)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("profile-decode: --batch, --prompt-len and --steps must be >= 1")
     torch.manual_seed(a.seed)
     result = measure(a)
-    from common.bench import print_and_write
+    from common.bench.results import print_and_write
     return print_and_write("profile-decode", result, format_profile(result, a.top), a.json, argv)
 
 

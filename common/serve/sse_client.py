@@ -4,7 +4,7 @@ Why not `httpx` or the `openai` SDK: a client that measures TTFT must not add it
 and a benchmark that runs against vLLM or SGLang should not need a stack of their dependencies.
 So a request is one write (head and body together), a response is read with asyncio streams
 (chunked or not), and each SSE event that carries text is stamped with the time its bytes were
-read. `stagewise bench-serve` (common/bench_serve.py) sends a workload through `stream_one`.
+read. `stagewise bench-serve` (common/serve/bench.py) sends a workload through `stream_one`.
 """
 from __future__ import annotations
 

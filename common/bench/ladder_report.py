@@ -1,9 +1,9 @@
 """The ladder's report: the printed table and the two-panel chart, both from the ladder JSON.
 
-Kept apart from the run (common/ladder.py) so that a committed result can be redrawn without
+Kept apart from the run (common/bench/ladder.py) so that a committed result can be redrawn without
 measuring again -- the numbers come from the JSON, never from a re-run:
 
-    python -m common.ladder_report docs/results/ladder.cpu.json     # rewrites its .txt and .png
+    python -m common.bench.ladder_report docs/results/ladder.cpu.json     # rewrites its .txt and .png
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def write_report(data: dict, json_path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths:
-        print("usage: python -m common.ladder_report LADDER_JSON...", file=sys.stderr)
+        print("usage: python -m common.bench.ladder_report LADDER_JSON...", file=sys.stderr)
         return 2
     for name in paths:
         path = Path(name)

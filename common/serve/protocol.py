@@ -1,6 +1,6 @@
 """The OpenAI API's request and response shapes, as `stagewise serve` speaks them.
 
-Why a module of its own: the server (common/serve.py) should read as "HTTP in, SchedulerManager
+Why a module of its own: the server (common/serve/app.py) should read as "HTTP in, SchedulerManager
 out"; everything about what a field may hold, how a refusal is worded and what a chunk looks
 like lives here, testable without a socket. Anything the engine cannot honour (n > 1, logprobs,
 tools, penalties, unknown fields) is refused with a 400 naming the field: a client that asked

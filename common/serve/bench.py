@@ -2,11 +2,11 @@
 
     stagewise bench-serve --base-url http://127.0.0.1:8000 --model smollm2-135m --num-requests 64
 
-The same workloads as the benches (common/workloads.py) and the same report (common/report.py),
+The same workloads as the benches (common/bench/workloads.py) and the same report (common/bench/report.py),
 measured where a client stands: each request is one streaming POST (`stream: true`,
 `stream_options.include_usage`) on a keep-alive connection, all of them on one asyncio event loop,
 sent on a schedule (a burst, or `--request-rate` per second, fixed or Poisson, optionally capped
-by `--max-concurrency`). Only the standard library speaks HTTP here (common/sse_client.py), so
+by `--max-concurrency`). Only the standard library speaks HTTP here (common/serve/sse_client.py), so
 nothing ties it to stagewise: point it at vLLM or SGLang on a GPU and compare the same report.
 
 What a client can see differs from the in-process stamps: "submitted" is just before the request
@@ -27,13 +27,13 @@ import time
 import urllib.request
 from typing import Any
 
-from common import bench_flags
-from common.bench import write_json
-from common.bench_flags import describe_workload, workload_from_args
-from common.metrics import median_summary, percentiles, summarize
-from common.report import format_report
+from common.bench import flags as bench_flags
+from common.bench.results import write_json
+from common.bench.flags import describe_workload, workload_from_args
+from common.bench.metrics import median_summary, percentiles, summarize
+from common.bench.report import format_report
 from common.requests import Completion, Request
-from common.sse_client import ConnectionPool, Target, request_body, stream_one
+from common.serve.sse_client import ConnectionPool, Target, request_body, stream_one
 
 # The benches' workload flags, so a workload replays over HTTP exactly as in-process; the seed
 # here also seeds Poisson arrivals.
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"engine": "http", "mode": "http-streaming", **median_summary(runs), "runs": runs}
     print(format_report(result, header(args, target), runs=runs, title="streaming benchmark (HTTP)"), flush=True)
     if args.json:
-        from common.envinfo import collect_env
+        from common.bench.envinfo import collect_env
         config = {k: v for k, v in vars(args).items() if k != "api_key"}
         write_json(args.json, {"tool": "bench-serve", "model": args.model, "base_url": args.base_url,
                                "config": config, "server": info, "env": collect_env(None), **result})

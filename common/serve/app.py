@@ -1,6 +1,6 @@
 """`stagewise serve`: an OpenAI-compatible HTTP server over any streaming stage (04+).
 
-    stagewise serve --stage 9 --model smollm2-135m --host 127.0.0.1 --port 8000   (common/serve_cli.py)
+    stagewise serve --stage 9 --model smollm2-135m --host 127.0.0.1 --port 8000   (common/serve/server.py)
 
 FastAPI + uvicorn (the stack vLLM and SGLang use) in front of the stage's `SchedulerManager`:
 the event loop only parses, validates and writes bytes; the manager's worker thread runs the
@@ -8,7 +8,7 @@ model, as it does in-process. The worker's put on a request's queue wakes the ev
 listener on the handle), which drains it without blocking: no thread per request, and a slow
 client never stalls the worker (its chunks wait in its queue). With `--engine-process` the
 manager runs in a process of its own, and the server holds an `EngineProcess` that hands out
-the same handles (common/engine_process.py).
+the same handles (common/serve/engine_process.py).
 A dropped client cancels its request (its KV blocks go back to the pool); SIGINT/SIGTERM end
 every in-flight request, answer 503 to new ones, and release the port.
 The stage comes from the registry (common/stages.py): this file imports no stage.
@@ -30,13 +30,12 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.engine_process import call_beside, engine_stats, kv_blocks
-from common.http_transport import EventStream
-from common.openai_protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id,
-                                    parse_chat, parse_completion, parse_json, sse, text_event, usage)
+from common.serve.engine_process import call_beside, engine_stats, kv_blocks
+from common.serve.transport import EventStream
+from common.serve.protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id, parse_chat, parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
-from common.serve_metrics import ServeMetrics
-from common.serve_tokenize import add_tokenize_routes
+from common.serve.metrics import ServeMetrics
+from common.serve.tokenization import add_tokenize_routes
 
 SHUTTING_DOWN = "the server is shutting down"
 # OpenAI's answer to a missing or wrong key; /health and /metrics stay open, as in vLLM

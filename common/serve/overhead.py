@@ -32,15 +32,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.bench import write_json
-from common.envinfo import REPO_ROOT, collect_env
-from common.report import format_comparison
+from common.bench.results import write_json
+from common.bench.envinfo import REPO_ROOT, collect_env
+from common.bench.report import format_comparison
 
 TARGETS = {"throughput_loss_pct": 10.0, "ttft_p50_added_ms": 5.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from common.serve_cli import WORKER_PRIORITIES
+    from common.serve.engine import WORKER_PRIORITIES
     p = argparse.ArgumentParser(prog="stagewise serve-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", default="9")
     p.add_argument("--model", default="smollm2-135m")
@@ -92,7 +92,7 @@ def record_token_timestamps(manager: Any) -> None:
 def run_in_process(manager: Any, requests: list, timeout_s: float) -> dict:
     """One in-process run where the manager lives: `add_request` from a thread of its process,
     a consumer thread per request (with --engine-process, this runs in the engine's process)."""
-    from common.streaming_bench import run_streaming_once
+    from common.bench.streaming import run_streaming_once
     summary, completions = run_streaming_once(manager, requests, timeout_s=timeout_s)
     return {**summary, "intake_span_ms": intake_span_ms(completions)}
 
@@ -102,13 +102,13 @@ class Server:
     process, as `stagewise serve` runs it by default, or in its own (`--engine-process`)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
-        from common import serve, serve_cli
-        from common.http_transport import bind_socket
+        from common.serve import app, engine, server
+        from common.serve.transport import bind_socket
         p = argparse.ArgumentParser()
-        serve_cli.add_serve_args(p)
+        engine.add_serve_args(p)
         split = ["--engine-process" if a.engine_process else "--no-engine-process"]
         args = p.parse_args(["--stage", a.stage, "--model", a.model, *_engine_flags(a), *split])
-        self.manager, self.stage = serve_cli.start_engine(args)
+        self.manager, self.stage = server.start_engine(args)
         self.engine_process = bool(a.engine_process)
         self.call(record_token_timestamps)
         self.handles: list[Any] = []  # every request the manager took since the last take_completions()
@@ -120,10 +120,10 @@ class Server:
             return handle
 
         self.manager.add_request = recording_add_request
-        self.state = serve.ServeState(self.manager, a.model, self.stage)
+        self.state = app.ServeState(self.manager, a.model, self.stage)
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = serve_cli.make_server(self.state, sock)
+        self.server = server.make_server(self.state, sock)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -138,7 +138,7 @@ class Server:
 
     def call(self, fn: Any, *args: Any) -> Any:
         """fn(manager, *args) where the manager lives, and its result."""
-        from common.engine_process import call_beside
+        from common.serve.engine_process import call_beside
         return call_beside(self.manager, fn, *args).result()
 
     def loop_cpu_s(self) -> float:
@@ -160,7 +160,7 @@ class StepClient:
     """`bench-serve --step-stdin` in its own process: one run each time we ask for one."""
 
     def __init__(self, a: argparse.Namespace, url: str, out: Path) -> None:
-        from common.bench_serve import RUN_DONE
+        from common.serve.bench import RUN_DONE
         self.done, self.out = RUN_DONE, out
         cmd = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", url, *_workload_flags(a),
                "--warmup-runs", str(a.warmup_runs), "--repeat-runs", str(a.repeat_runs), "--step-stdin",
@@ -254,8 +254,8 @@ def pair(http_run: dict, http_engine: dict, local_run: dict, first: str) -> dict
 
 def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict], dict]:
     """Warm both sides, then `repeat_runs` pairs, alternating which side goes first."""
-    from common import bench_flags
-    from common.metrics import median_summary, summarize
+    from common.bench import flags as bench_flags
+    from common.bench.metrics import median_summary, summarize
 
     server = Server(a)
     try:
@@ -298,11 +298,11 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
         server.stop()
     pairs = [pair(h, e, l, f) for h, e, l, f in zip(http["runs"], http_engine, local_runs, order)]
     local = {"engine": "in-process", "mode": "streaming", **median_summary(local_runs), "runs": local_runs}
-    from common.engine_process import EngineInfo
+    from common.serve.engine_process import EngineInfo
     engine = server.manager.engine  # an EngineInfo already when the engine has its own process
     info = engine if server.engine_process else EngineInfo.of(engine, server.stage)
     import torch
-    from common.serve_cli import worker_priority
+    from common.serve.engine import worker_priority
     meta = {"stage": server.stage, "model": a.model, "device": info.device, "dtype": info.dtype,
             "engine_process": server.engine_process,
             "worker_priority": worker_priority(a.worker_priority, torch.device(info.device))}

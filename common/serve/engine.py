@@ -1,0 +1,86 @@
+"""What `stagewise serve`'s flags build: the stage's engine and its `SchedulerManager`.
+
+Its own module, below both the server (common/serve/server.py) and the engine's own process
+(common/serve/engine_process.py), since each builds the manager from the same flags: the one in
+its process, the other in a process of its own (`--engine-process`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, Any
+
+from common.threads import run_at_idle_priority
+
+if TYPE_CHECKING:
+    import torch
+
+
+WORKER_PRIORITIES = ("auto", "idle", "normal")  # --worker-priority's choices
+
+
+def worker_priority(choice: str, device: "torch.device") -> str:
+    """`--worker-priority` resolved: auto is idle where the engine computes on the CPU under Linux.
+
+    On a GPU the worker's CPU time is kernel launches that keep the device fed; it is not what the
+    server's event loop is waiting for there, and nobody has measured it: it stays normal."""
+    if choice not in WORKER_PRIORITIES:
+        raise ValueError(f"worker_priority must be auto, idle or normal, not {choice!r}")
+    if choice == "auto":
+        return "idle" if device.type == "cpu" and hasattr(os, "SCHED_IDLE") else "normal"
+    return choice
+
+
+def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
+    """Load the model and build the chosen stage's engine and SchedulerManager from the flags."""
+    import importlib
+
+    import torch
+
+    from common import stages as registry
+    from common.bench.flags import accepted, engine_knobs, manager_knobs
+    from common.loader import load_model
+
+    package = registry.resolve_stage(args.stage)
+    module = importlib.import_module(package)
+    if not hasattr(module, "SchedulerManager"):
+        raise SystemExit(f"serve: {registry.short_name(package)} has no SchedulerManager; serve needs stage 4 or later")
+    torch.manual_seed(args.seed)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    knobs = accepted(module.InferenceEngine, engine_knobs(args))
+    engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
+    manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, manager_knobs(args)))
+    if worker_priority(args.worker_priority, loaded.device) == "idle":
+        # The worker has started but not run the model yet, so its OpenMP team, made at its first
+        # parallel region, will inherit the class (common/threads.py).
+        run_at_idle_priority(manager._worker)
+    return manager, registry.short_name(package)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from common import stages as registry
+    from common.bench.flags import add_engine_knob_args, add_manager_args
+
+    p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
+    g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
+    add_engine_knob_args(g)
+    add_manager_args(g)
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own, as vLLM does, so HTTP's Python never waits "
+                        "for the worker's GIL (common/serve/engine_process.py). Off by default: on a 2-core CPU it "
+                        "made TTFT no shorter and HTTP's CPU per token larger (docs: Serving)")
+    p.add_argument("--worker-priority", choices=WORKER_PRIORITIES, default="auto",
+                   help="idle: the engine's worker thread (and its OpenMP threads) in Linux's SCHED_IDLE class, "
+                        "so the event loop and a client on the same machine get a core the moment they wake; "
+                        "anything CPU-bound on the machine then comes first. auto (default): idle when the "
+                        "engine runs on the CPU, normal on a GPU (docs: Serving)")
+    p.add_argument("--api-key", default=os.environ.get("STAGEWISE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/ (default: $STAGEWISE_API_KEY; unset: open)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
