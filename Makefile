@@ -52,7 +52,7 @@ clean-venv:
 docs-check: $(STAMP)
 	$(PY) scripts/docs_check.py
 
-# Every committed result under docs/results/ measured again from this (clean) commit, one command
+# The current CPU set, docs/results/cpu/, measured again from this (clean) commit, one command
 # at a time: two to three hours on a 2-core CPU. RESULTS_ARGS="--list" shows the commands.
 RESULTS_ARGS ?=
 results: $(STAMP)

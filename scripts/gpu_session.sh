@@ -13,7 +13,8 @@
 #            export STAGEWISE_GIT_COMMIT=<HEAD here> STAGEWISE_GIT_DIRTY=0; bash scripts/gpu_session.sh 470
 # (about 75 s to start + 280 + 520: 14 minutes with the gap, inside the 15; a slow start or a
 # late second call costs the second call's last steps, not the session)
-#   then:    give_back; unpack $OUT/results.tgz here into docs/results/, commit, note on the issue.
+#   then:    give_back; unpack $OUT/results.tgz here, its results/ into docs/results/cuda/, commit,
+#            note on the issue.
 #
 # The argument is the seconds this call may spend on steps. The steps run in the order below,
 # each in its own processes (fresh engines, as every result here is measured) under a `timeout`
@@ -33,7 +34,7 @@
 # process, and one costs about 25 s on the H200 before it measures anything: a call of 470 s
 # holds about twenty of them.
 #
-# Rehearse it here, on the CPU, in a scratch copy of the tree (it writes into docs/results/):
+# Rehearse it here, on the CPU, in a scratch copy of the tree (it writes into docs/results/cpu/):
 #   STAGEWISE_SESSION_DEVICE=cpu OUT=/tmp/out bash scripts/gpu_session.sh 120
 set -uo pipefail
 BUDGET=${1:?usage: gpu_session.sh SECONDS}
@@ -43,12 +44,14 @@ OUT=${OUT:-$STASH/out}
 mkdir -p "$OUT" "$STASH/results" "$STASH/logs"
 DONE=$STASH/done.${STAGEWISE_GIT_COMMIT:-unknown}  # steps finished at this commit, in any call
 touch "$DONE" "$STASH/marker"
-cp -p "$STASH"/results/* docs/results/ 2>/dev/null  # an earlier call's results: --resume sees them
+RESULTS=docs/results/$DEVICE  # the current set of this device (scripts/rerun_results.py)
+mkdir -p "$RESULTS"
+cp -p "$STASH"/results/* "$RESULTS"/ 2>/dev/null  # an earlier call's results: --resume sees them
 START=$SECONDS
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
-pack() {  # everything written under docs/results/ since the first call, and the logs, as one file
-    find docs/results -maxdepth 1 -type f -newer "$STASH/marker" -exec cp -p {} "$STASH/results/" \;
+pack() {  # everything written under $RESULTS since the first call, and the logs, as one file
+    find "$RESULTS" -maxdepth 1 -type f -newer "$STASH/marker" -exec cp -p {} "$STASH/results/" \;
     tar czf "$OUT/results.tgz.tmp" -C "$STASH" results logs && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 }
 
@@ -76,7 +79,7 @@ PY=python3
 RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
 G2=gpt2-random
 
-# What ran on the H200 at e5514d9 (docs/results/*.cuda.json) comes last here, to be measured
+# What ran on the H200 at e5514d9 (docs/results/cuda/) comes last here, to be measured
 # again at the newest commit; what never ran comes first.
 #
 # Item 2: where the worker's time goes under post 052's load. At e5514d9 the worker was in decode
@@ -84,13 +87,13 @@ G2=gpt2-random
 # lists the slowest with their batch; the second run turns off SDPA's cuDNN backend, whose plans
 # are built per new shape (batch and K/V width change as requests arrive).
 step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
-    --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
+    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
 step probe-s09-no-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
     --device $DEVICE --no-cudnn-attention \
-    --json docs/results/worker-probe.s09_batched_worker_lookups.post-052.no-cudnn.$G2.$DEVICE.json
+    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.no-cudnn.$G2.$DEVICE.json
 # Item 5: the stages not yet on the GPU's decode-step ladder (each engine a fresh process, ~25 s).
 step ladder-decode-step-rest-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 4,5,6,7,8,10 \
-    --no-hf --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step-rest.$G2 --out docs/results
+    --no-hf --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step-rest.$G2 --out $RESULTS
 # Item 4: make bench on SmolLM2, and the tests that need its GGUF.
 step make-bench-smollm2 smollm2 80 $RERUN --only make-bench
 step tests-smollm2 smollm2 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
@@ -98,18 +101,18 @@ step tests-smollm2 smollm2 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -
 # Item 5 again: where a step's time goes (kernels vs launches); post 052's shape on its model.
 for s in 2:s02_kv_cache 3:s03_paged_attention 9:s09_batched_worker_lookups 11:s11_chunked_prefill; do
     step profile-${s#*:}-$G2 - 60 $PY -m common.cli profile-decode --stage ${s%%:*} --model $G2 --device $DEVICE \
-        --batch 64 --prompt-len 64 --steps 20 --json docs/results/profile.${s#*:}.b64.$G2.$DEVICE.json
+        --batch 64 --prompt-len 64 --steps 20 --json $RESULTS/profile.${s#*:}.b64.$G2.$DEVICE.json
 done
 for s in s09_batched_worker_lookups s11_chunked_prefill; do
     step make-bench-$s-$G2 - 80 $PY -m stages.$s.bench --preset post-052 --model $G2 --device $DEVICE \
-        --json docs/results/make-bench.$s.$G2.$DEVICE.json
+        --json $RESULTS/make-bench.$s.$G2.$DEVICE.json
 done
 step ladder-random-lengths-32x16-$G2 - 200 $PY -m common.cli ladder --workload random-lengths --num-requests 32 \
     --max-batch-size 16 --max-new-tokens 64 --stages 2,3,9 --model $G2 --device $DEVICE --rounds 1 \
-    --tag random-lengths-32x16.$G2 --out docs/results
+    --tag random-lengths-32x16.$G2 --out $RESULTS
 # Measured at e5514d9: again at the newest commit, so every file comes from one.
 step ladder-decode-step-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 2,3,9,11 \
-    --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step.$G2 --out docs/results
+    --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step.$G2 --out $RESULTS
 step parity-fp32 smollm2 180 $RERUN --only parity.fp32
 step parity-bf16 smollm2 150 $RERUN --only parity.bf16
 step bench-s09 smollm2 100 $RERUN --only s09_batched_worker_lookups.cpu

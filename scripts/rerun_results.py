@@ -12,8 +12,9 @@ change did from what happened between two commits. Every file under `docs/result
 was made: its `command`, or a `config` from which the pages rebuild the command they print
 (`command_from` in docs/hooks/stagewise_results.py, the same function here). This runs those
 commands again, in this checkout, and then checks that every file it rewrote names the same
-clean commit. The before/after pairs in the subdirectories are left alone: each half belongs to
-the commit it compares.
+clean commit. It reruns the current set of one device, `docs/results/<device>/`; the other
+machines' sets (`machines/`) and the before/after pairs (`questions/`) are left alone: each
+belongs to the machine or the commit it compares.
 
 Each command runs in a fresh Python started here (`python -m common.cli ...`, `python -m
 stages...`), so the code measured is this checkout's, not that of whatever checkout a `stagewise`
@@ -37,12 +38,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-from stagewise_results import command_from  # noqa: E402  (the pages' own reading of a result)
+from stagewise_results import command_from, placed  # noqa: E402  (the pages' own reading of a result)
 
 
 def result_files(device: str) -> list[Path]:
-    """The committed results for one device (`<name>.<device>[.<tag>].json`), top level only."""
-    return sorted(p for p in RESULTS.glob("*.json") if f".{device}." in p.name)
+    """The current set of one device: `docs/results/<device>/<name>.<device>[.<tag>].json`."""
+    return sorted(p for p in (RESULTS / device).glob("*.json") if f".{device}." in p.name)
 
 
 def argv_for(path: Path, target: Path | None = None) -> list[str]:
@@ -54,12 +55,7 @@ def argv_for(path: Path, target: Path | None = None) -> list[str]:
         words = words[1:]
     else:
         raise SystemExit(f"{path.name}: cannot rerun {shlex.join(words)!r}")
-    out = (target or path).relative_to(ROOT).as_posix()
-    if "--json" in words:  # where it wrote may have been a scratch file; it goes to its place now
-        words[words.index("--json") + 1] = out
-    elif "--out" in words:
-        words[words.index("--out") + 1] = path.parent.relative_to(ROOT).as_posix()
-    return [sys.executable, *words]
+    return [sys.executable, *placed(words, (target or path).relative_to(ROOT).as_posix())]
 
 
 def provenance(path: Path) -> tuple[str, bool, bool]:
@@ -107,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     here = git_info()
     head = here["git_commit"]
-    targets = {f: f.with_name(f.name.replace(f".{source}.", f".{args.device}.", 1)) for f in paths}
+    targets = {f: RESULTS / args.device / f.name.replace(f".{source}.", f".{args.device}.", 1) for f in paths}
     if args.resume:
         paths = [f for f in paths if not (targets[f].exists() and provenance(targets[f]) == (head, False, False))]
     plan = [(targets[f], argv_for(f, targets[f])) for f in paths]

@@ -154,12 +154,23 @@ def test_bench_results_side_by_side_ratios_favour_this_stage_above_one() -> None
 
 
 def test_missing_result_json_gives_admonition_with_command(tmp_path: Path) -> None:
-    md = results.render_bench_results(tmp_path, "docs/results/s02_kv_cache.cpu.json")
+    md = results.render_bench_results(tmp_path, "docs/results/cpu/s02_kv_cache.cpu.json")
     assert md.startswith('!!! warning "No committed result yet"')
-    assert "python -m stages.s02_kv_cache.bench --compare --json docs/results/s02_kv_cache.cpu.json" in md
-    md = results.render_bench_results(tmp_path, "docs/results/s07_x.cuda.json", command="make it so")
+    assert "python -m stages.s02_kv_cache.bench --compare --json docs/results/cpu/s02_kv_cache.cpu.json" in md
+    md = results.render_bench_results(tmp_path, "docs/results/cuda/s07_x.cuda.json", command="make it so")
     assert "make it so" in md
-    assert "--device cuda" in results.default_command("docs/results/s07_x.cuda.json")
+    assert "--device cuda" in results.default_command("docs/results/cuda/s07_x.cuda.json")
+
+
+def test_a_results_command_writes_where_the_result_lies_now() -> None:
+    """A result written to a scratch path, or moved since (docs/results/ is laid out by device,
+    machine and question), prints the command that writes this very file: the one a reader copies."""
+    bench = {"command": "stagewise serve-overhead --stage 9 --json /tmp/x.json"}
+    assert results.placed_command(bench, "docs/results/cpu/serve.cpu.json") == \
+        "stagewise serve-overhead --stage 9 --json docs/results/cpu/serve.cpu.json"
+    ladder = {"command": "stagewise ladder --workload burst --out docs/results --tag"}
+    assert results.placed_command(ladder, "docs/results/cpu/ladder.cpu.burst.json") == \
+        "stagewise ladder --workload burst --out docs/results/cpu --tag"
 
 
 @pytest.mark.parametrize("text, match", [
@@ -203,10 +214,10 @@ def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
 def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
     assert "Ladder chart not committed yet" in hook.render_ladder_chart(tmp_path, "", "index.md")
     assert "No committed result yet" in hook.render_ladder_table(tmp_path, "", "ladder.md")
-    out = tmp_path / "docs" / "results"
+    out = tmp_path / "docs" / "results" / "cpu"
     out.mkdir(parents=True)
     (out / "ladder.cpu.png").write_bytes(b"\x89PNG")
-    assert "](results/ladder.cpu.png)" in hook.render_ladder_chart(tmp_path, "", "index.md")
+    assert "](results/cpu/ladder.cpu.png)" in hook.render_ladder_chart(tmp_path, "", "index.md")
     entry = {k: _sample()[k] for k in ("throughput_tok_s", "ttft_ms", "tpot_ms", "kv")}
     (out / "ladder.cpu.json").write_text(json.dumps({"entries": [{"engine": "s02_kv_cache", **entry}]}))
     assert "| `s02_kv_cache` |" in hook.render_ladder_table(tmp_path, "", "ladder.md")
@@ -216,11 +227,11 @@ def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
 
 
 def test_parity_table_missing_then_present(tmp_path: Path) -> None:
-    path = "docs/results/parity.bf16.cpu.json"
+    path = "docs/results/cpu/parity.bf16.cpu.json"
     missing = hook.render_parity_table(tmp_path, path, "reproducing.md")
     assert "No committed result yet" in missing
     assert "stagewise parity --model smollm2-135m --dtype bfloat16 --device cpu --json " + path in missing
-    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / path).parent.mkdir(parents=True)
     same = {"requests": 4, "identical": 4, "first_tokens_equal": 4, "agreement": 1.0, "differences": []}
     differs = {"requests": 4, "identical": 3, "first_tokens_equal": 4, "agreement": 0.875,
                "differences": [{"request": 2, "first_difference": 5, "reference_margin": 0.0625}]}
@@ -235,9 +246,9 @@ def test_parity_table_missing_then_present(tmp_path: Path) -> None:
 
 
 def test_serve_pairs_one_row_per_pair_missing_then_present(tmp_path: Path) -> None:
-    path = "docs/results/serve.cpu.json"
+    path = "docs/results/cpu/serve.cpu.json"
     assert "stagewise serve-overhead" in hook.render_serve_pairs(tmp_path, path, "serving.md")
-    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / path).parent.mkdir(parents=True)
     pair = {"first": "http", "prefill_p50_ms": {"http": 500.0, "in_process": 510.0},
             "ttft_p50_outside_prefill_ms": {"http": 15.0, "in_process": 9.5}, "ttft_p50_added_ms": 5.5,
             "ttft_p50_added_raw_ms": -4.5, "throughput_loss_pct": 1.25,
@@ -309,7 +320,7 @@ def test_stage_pages_use_strict_directives_and_the_committed_result_names() -> N
     for i, (stage, page) in enumerate(zip(stage_dirs, pages)):
         text = page.read_text()
         assert "-if-present" not in text, f"{page.name}: use the strict directives"
-        assert f"<!-- bench-results: docs/results/{stage}.cpu.json" in text, page.name
+        assert f"<!-- bench-results: docs/results/cpu/{stage}.cpu.json" in text, page.name
         assert re.search(rf"<!-- include: stages/{stage}/\S+::\S+ -->", text), f"{page.name}: no symbol include"
         if i:
             assert f"<!-- stage-diff: {stage_dirs[i - 1]} {stage} -->" in text, page.name

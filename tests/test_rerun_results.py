@@ -18,27 +18,27 @@ spec.loader.exec_module(rerun)
 
 def test_every_committed_result_has_a_command_that_writes_it_again() -> None:
     paths = rerun.result_files("cpu")
-    assert len(paths) > 20 and all(p.parent == rerun.RESULTS for p in paths)  # not the before/after pairs
+    assert len(paths) > 20 and all(p.parent == rerun.RESULTS / "cpu" for p in paths)  # not machines/, questions/
     for path in paths:
         argv = rerun.argv_for(path)
         assert argv[0] == sys.executable and argv[1] == "-m", path.name
         assert argv[2] == "common.cli" or (argv[2].startswith("stages.s") and argv[2].endswith(".bench")), path.name
         if "--json" in argv:
-            assert argv[argv.index("--json") + 1] == f"docs/results/{path.name}"
+            assert argv[argv.index("--json") + 1] == f"docs/results/cpu/{path.name}"
         else:
-            assert argv[2:4] == ["common.cli", "ladder"] and argv[argv.index("--out") + 1] == "docs/results"
+            assert argv[2:4] == ["common.cli", "ladder"] and argv[argv.index("--out") + 1] == "docs/results/cpu"
 
 
 def test_a_scratch_json_path_is_sent_back_to_the_results(tmp_path, monkeypatch) -> None:
     """serve-overhead run with --json /tmp/x.json and copied in: the rerun writes it in place."""
     results = tmp_path / "docs" / "results"
-    results.mkdir(parents=True)
-    (results / "serve.cpu.json").write_text(json.dumps({"command": "stagewise serve-overhead --stage 9 --json /tmp/x.json"}))
+    (results / "cpu").mkdir(parents=True)
+    (results / "cpu" / "serve.cpu.json").write_text(json.dumps({"command": "stagewise serve-overhead --stage 9 --json /tmp/x.json"}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
     [path] = rerun.result_files("cpu")
     assert rerun.argv_for(path)[1:] == ["-m", "common.cli", "serve-overhead", "--stage", "9",
-                                         "--json", "docs/results/serve.cpu.json"]
+                                         "--json", "docs/results/cpu/serve.cpu.json"]
 
 
 def test_check_names_results_from_another_commit_or_a_dirty_checkout(tmp_path, capsys) -> None:
@@ -57,34 +57,35 @@ def test_check_names_results_from_another_commit_or_a_dirty_checkout(tmp_path, c
 
 def test_resume_runs_only_what_is_not_from_this_commit(tmp_path, monkeypatch, capsys) -> None:
     results = tmp_path / "docs" / "results"
-    results.mkdir(parents=True)
+    (results / "cpu").mkdir(parents=True)
     for name, commit in (("s01_x.cpu.json", "head"), ("s02_x.cpu.json", "old")):
-        (results / name).write_text(json.dumps({"env": {"git_commit": commit, "git_dirty": False},
+        (results / "cpu" / name).write_text(json.dumps({"env": {"git_commit": commit, "git_dirty": False},
                                                 "command": f"stagewise profile-decode --json /tmp/{name}"}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
     monkeypatch.setattr("common.bench.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
     assert rerun.main(["--resume", "--list"]) == 0
     out = capsys.readouterr().out
-    assert "docs/results/s02_x.cpu.json" in out and "s01_x" not in out
+    assert "docs/results/cpu/s02_x.cpu.json" in out and "s01_x" not in out
 
 
 def test_like_runs_one_devices_commands_into_anothers_files(tmp_path, monkeypatch, capsys) -> None:
     """A first CUDA set: the CPU results' commands, each writing its `.cuda.` twin (resumable)."""
     results = tmp_path / "docs" / "results"
-    results.mkdir(parents=True)
+    (results / "cpu").mkdir(parents=True)
+    (results / "cuda").mkdir()
     for name in ("s01_x.cpu.json", "s02_x.cpu.json"):
-        (results / name).write_text(json.dumps({"env": {"git_commit": "old", "git_dirty": False},
-                                                "command": f"stagewise profile-decode --json /tmp/{name}"}))
-    (results / "ladder.cpu.json").write_text(json.dumps({"command": "stagewise ladder --out docs/results"}))
-    (results / "s01_x.cuda.json").write_text(json.dumps({"env": {"git_commit": "head", "git_dirty": False}}))
+        (results / "cpu" / name).write_text(json.dumps({"env": {"git_commit": "old", "git_dirty": False},
+                                                        "command": f"stagewise profile-decode --json /tmp/{name}"}))
+    (results / "cpu" / "ladder.cpu.json").write_text(json.dumps({"command": "stagewise ladder --out docs/results"}))
+    (results / "cuda" / "s01_x.cuda.json").write_text(json.dumps({"env": {"git_commit": "head", "git_dirty": False}}))
     monkeypatch.setattr(rerun, "ROOT", tmp_path)
     monkeypatch.setattr(rerun, "RESULTS", results)
     monkeypatch.setattr("common.bench.envinfo.git_info", lambda: {"git_commit": "head", "git_dirty": False})
     assert rerun.main(["--like", "cpu", "--device", "cuda", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[-1] for line in lines] == ["docs/results", "docs/results/s01_x.cuda.json",
-                                                    "docs/results/s02_x.cuda.json"]
+    assert [line.split()[-1] for line in lines] == ["docs/results/cuda", "docs/results/cuda/s01_x.cuda.json",
+                                                    "docs/results/cuda/s02_x.cuda.json"]
     assert rerun.main(["--like", "cpu", "--device", "cuda", "--list", "--resume"]) == 0
     assert "s01_x" not in capsys.readouterr().out  # its CUDA file is from this commit already
     if not __import__("torch").cuda.is_available():  # names that say cuda are never written from a CPU

@@ -3,7 +3,7 @@
 Kept apart from the run (common/bench/ladder.py) so that a committed result can be redrawn without
 measuring again -- the numbers come from the JSON, never from a re-run:
 
-    python -m common.bench.ladder_report docs/results/ladder.cpu.json     # rewrites its .txt and .png
+    python -m common.bench.ladder_report docs/results/cpu/ladder.cpu.json     # rewrites its .txt and .png
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every stage's greedy tokens against transformers' `generate`: one model, device and dtype.
 
-    stagewise parity --model smollm2-135m --dtype float32 --json docs/results/parity.fp32.cpu.json
-    stagewise parity --model smollm2-135m --dtype bfloat16 --json docs/results/parity.bf16.cpu.json
+    stagewise parity --model smollm2-135m --dtype float32 --json docs/results/cpu/parity.fp32.cpu.json
+    stagewise parity --model smollm2-135m --dtype bfloat16 --json docs/results/cpu/parity.bf16.cpu.json
 
 The tests hold every stage to transformers' tokens exactly, on `tiny` in fp32 (tests/test_parity.py).
 This measures the same thing on a real model, in any dtype, on any device: the reference is

@@ -1,7 +1,7 @@
 """Where a decode step goes: one stage's decode step, op by op, against the matmul floor.
 
     stagewise profile-decode --stage 9 --model smollm2-135m --batch 16 --prompt-len 160 \\
-        --json docs/results/profile.s09_batched_worker_lookups.b16.cpu.json
+        --json docs/results/cpu/profile.s09_batched_worker_lookups.b16.cpu.json
 
 `x floor` (the benches' decode step over the model's matmuls alone, common/bench/floor.py) says how
 much of a step is overhead; this says which overhead. B requests of random prompt tokens run

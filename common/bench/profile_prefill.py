@@ -1,7 +1,7 @@
 """Where a prefill goes: one prompt's forward, op by op, against its matmul floor.
 
     stagewise profile-prefill --stage 9 --model smollm2-135m --prompt-len 2000 \\
-        --json docs/results/profile-prefill.s09_batched_worker_lookups.p2000.cpu.json
+        --json docs/results/cpu/profile-prefill.s09_batched_worker_lookups.p2000.cpu.json
 
 A prefill of N tokens makes every projection a decode step makes, on N rows at once (and the
 lm_head on the last row only: only its logits are sampled). Those products alone, on the same

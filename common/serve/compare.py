@@ -1,6 +1,6 @@
 """`stagewise serve` against `transformers serve`: one workload, one client, each server in a fresh process.
 
-    stagewise serve-compare --rounds 2 --json docs/results/serve-compare.cpu.json   # the newest stage, SmolLM2
+    stagewise serve-compare --rounds 2 --json docs/results/cpu/serve-compare.cpu.json   # the newest stage, SmolLM2
 
 What a reader would run instead of stagewise, to serve a model over the OpenAI API from Python,
 is `transformers serve --continuous-batching`: the library's own scheduler and paged KV cache.

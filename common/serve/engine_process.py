@@ -20,7 +20,7 @@ filled by its reader thread, so the server code is the same over either. Detoken
 where it is, in the engine's worker. If the engine process dies, every open request ends with
 an error and new ones are refused: nothing is left hanging.
 
-Measured on the 2-core CPU (`stagewise serve-overhead --engine-process`, docs/results/serve-reruns/),
+Measured on the 2-core CPU (`stagewise serve-overhead --engine-process`, docs/results/questions/serve-reruns/),
 it did not pay there: the engine's two OpenMP threads fill both cores, so the server's process
 waits for a core instead of the GIL, and the pipe adds its own work; TTFT over HTTP came out no
 shorter and HTTP's CPU per token larger. Hence off by default; it is the layout for a machine with
@@ -271,7 +271,7 @@ class Outbox:
     Why not a message per put: at batch 64 that is 64 messages a step, and the server's reader
     paid CPU and a wake-up for each: the server's CPU per token was 45-69 us that way and 32-41 us
     with a message per step, against 26-31 us with the engine in the server's process
-    (`loop_cpu_us_per_token` in docs/results/serve-reruns/). The worker makes all of a
+    (`loop_cpu_us_per_token` in docs/results/questions/serve-reruns/). The worker makes all of a
     step's puts between two calls into its scheduler, so the outbox is flushed when it next calls
     the scheduler (`step`, `add_requests`), right after its last put; puts made outside a step
     (the last request ending as the worker goes idle, a cancel) are flushed by a small thread that

@@ -1,6 +1,6 @@
 """What HTTP costs: one workload through `stagewise serve` + `bench-serve`, and in-process, paired.
 
-    stagewise serve-overhead --stage 9 --model smollm2-135m --json docs/results/serve.cpu.json
+    stagewise serve-overhead --stage 9 --model smollm2-135m --json docs/results/cpu/serve.cpu.json
 
 This process serves the stage's engine over HTTP (the server `stagewise serve` runs, in a
 thread), and holds the engine and its SchedulerManager too, as `stagewise serve` does by default
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the in-process side then runs in that process too)")
     p.add_argument("--worker-priority", choices=WORKER_PRIORITIES, default="auto",
                    help="as `stagewise serve`'s: the scheduling class of the worker both sides share")
-    p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/serve.cpu.json")
+    p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/cpu/serve.cpu.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     return p
 

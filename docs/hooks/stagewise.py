@@ -14,8 +14,8 @@ admonitions and content tabs):
                                                               missing = build error
     <!-- include-if-present: stages/s03_x/engine.py -->      the same, or a "not built yet" note
     <!-- bench-results: docs/results/X.json [| command] -->   tables from a bench JSON, or a note
-    <!-- ladder-chart[: docs/results/ladder.cpu.png] -->     the ladder image, or a note
-    <!-- ladder-table[: docs/results/ladder.cpu.json] -->    the ladder table, or a note
+    <!-- ladder-chart[: docs/results/cpu/ladder.cpu.png] -->     the ladder image, or a note
+    <!-- ladder-table[: docs/results/cpu/ladder.cpu.json] -->    the ladder table, or a note
     <!-- parity-table: docs/results/parity.X.json -->        `stagewise parity`'s table, or a note
     <!-- serve-pairs: docs/results/serve.X.json -->          `stagewise serve-overhead`'s pairs, or a note
 
@@ -40,7 +40,7 @@ import textwrap
 from pathlib import Path
 
 from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _name, _number, _rel,
-                               _value, default_command, env_line, load_result, render_bench_ratio,
+                               _value, default_command, env_line, load_result, placed_command, render_bench_ratio,
                                render_bench_results, render_bench_value)
 
 BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results",
@@ -172,7 +172,7 @@ def render_include(root: Path, spec: str, strict: bool = False) -> str:
 
 # ----------------------------------------------------------------------------- ladder
 def render_ladder_chart(root: Path, args: str, page_src: str | None = None) -> str:
-    path = args.strip() or "docs/results/ladder.cpu.png"
+    path = args.strip() or "docs/results/cpu/ladder.cpu.png"
     if not (root / path).is_file():
         return _admonition("info", "Ladder chart not committed yet",
                            f"`{path}` appears here once it is committed. Produce it with:\n\n"
@@ -182,7 +182,7 @@ def render_ladder_chart(root: Path, args: str, page_src: str | None = None) -> s
 
 
 def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> str:
-    path = args.strip() or "docs/results/ladder.cpu.json"
+    path = args.strip() or "docs/results/cpu/ladder.cpu.json"
     data = load_result(root, path)
     if data is None:
         return _admonition("warning", "No committed result yet",
@@ -191,7 +191,7 @@ def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> s
     entries = _first(data, "entries", "results", "engines", "rows")
     if not isinstance(entries, list) or not entries:
         raise DocsError(f"{path}: expected a non-empty list under 'entries' (or 'results'/'engines')")
-    out = [f"**Command:** `{data.get('command') or default_command(path)}`", "",
+    out = [f"**Command:** `{placed_command(data, path)}`", "",
            f"**Environment:** {env_line(data)}. "
            f"Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
            "| engine | mode | completion tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
@@ -219,7 +219,7 @@ def render_parity_table(root: Path, args: str, page_src: str | None = None) -> s
     if data.get("kind") != "parity" or not isinstance(entries, dict) or not entries:
         raise DocsError(f"{path}: expected a `stagewise parity` result with a non-empty 'entries' object")
     lengths = data.get("prompt_lengths") or [0]
-    out = [f"**Command:** `{data.get('command') or default_command(path)}`", "",
+    out = [f"**Command:** `{placed_command(data, path)}`", "",
            f"**Environment:** {env_line(data)}. {len(lengths)} prompts of {min(lengths)}–{max(lengths)} "
            f"tokens. Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
            "| stage | rows equal | first tokens equal | tokens agreeing | where a row first differs: "

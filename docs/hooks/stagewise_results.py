@@ -176,6 +176,23 @@ def command_from(data: dict) -> str:
     return shlex.join(parts)
 
 
+def placed(words: list[str], path: str) -> list[str]:
+    """A result's command, writing where the result lies now: its `--json` is `path`, a ladder's
+    `--out` the folder `path` is in. The file may have been written to a scratch path and copied
+    in, or moved since (docs/results/ is laid out by device, machine and question)."""
+    words = list(words)
+    if "--json" in words[:-1]:
+        words[words.index("--json") + 1] = path
+    elif "--out" in words[:-1]:
+        words[words.index("--out") + 1] = Path(path).parent.as_posix()
+    return words
+
+
+def placed_command(data: dict, path: str) -> str:
+    """`command_from(data)`, as `placed` puts it: the command that writes this very file."""
+    return shlex.join(placed(shlex.split(command_from(data)), path))
+
+
 def wrap_command(cmd: str, width: int = 88) -> str:
     """Break a long command before its flags, shell-style, so it reads (and copies) well."""
     words = shlex.split(cmd)
@@ -348,7 +365,7 @@ def render_bench_results(root: Path, path: str, page_src: str | None = None,
     out = [
         "**Command:**",
         "",
-        _fence(wrap_command(command_from(data)), "bash"),
+        _fence(wrap_command(placed_command(data, path)), "bash"),
         "",
         f"**Environment:** {env_line(data)}",
         "",
