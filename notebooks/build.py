@@ -17,6 +17,7 @@ docs/notebooks/sNN_<stage>.md, the page the site renders. Never edit those two b
 
     python notebooks/build.py           # (re)write the generated files
     python notebooks/build.py --check   # exit 1 if any generated file is out of date
+    python notebooks/build.py --run s02_kv_cache   # execute one and print every cell's output
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def to_markdown(stem: str, cells: list[tuple[str, str]]) -> str:
         parts.append(source if kind == "markdown" else f"```python\n{source}\n```")
         if i == 0:
             parts.append(f"[Download the notebook]({stem}.ipynb){{ .md-button }} "
-                         f"— run it from anywhere inside the repository (its first cell finds the repo root).")
+                         f"— run it from anywhere inside the repository (its first cell finds the repo root).\n\n"
+                         f"This page shows the cells without their output. To see it, open the notebook in "
+                         f"Jupyter or VS Code, or print every cell with its output, as the tests run it:\n\n"
+                         f"```bash\npython notebooks/build.py --run {stem}\n```")
     return "\n\n".join(parts) + "\n"
 
 
@@ -99,10 +103,35 @@ def outputs() -> dict[Path, str]:
     return files
 
 
+def run(stem: str) -> int:
+    """Execute one generated notebook (as tests/test_notebooks.py does) and print each cell with its output."""
+    import nbclient
+
+    path = OUT / f"{stem}.ipynb"
+    if not path.exists():
+        print(f"no notebook {path.relative_to(ROOT)}; known: {sorted(p.stem for p in OUT.glob('s*.ipynb'))}",
+              file=sys.stderr)
+        return 2
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        print("\n".join(">>> " + line for line in cell.source.splitlines()))
+        for out in cell.get("outputs", []):
+            text = out.get("text") or out.get("data", {}).get("text/plain") or ""
+            print(text.rstrip("\n"))
+        print()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a generated file is out of date")
+    ap.add_argument("--run", metavar="STEM", help="execute docs/notebooks/STEM.ipynb and print every cell's output")
     args = ap.parse_args(argv)
+    if args.run:
+        return run(args.run)
     files = outputs()
     if not files:
         print(f"no sources in {SRC}", file=sys.stderr)

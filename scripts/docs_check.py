@@ -1,19 +1,22 @@
-"""Open the built docs site in a real headless browser (Debian's chromium), as a reader would.
+"""Open the built docs site in a real headless browser (Debian's chromium), as a reader would,
+with the network blocked: the site must stand on its own once set up.
 
 Builds the site strictly into a temp dir, serves it on 127.0.0.1 (a free port), and opens every
-page in one headless chromium driven over the DevTools protocol. For each page it collects
-console errors (uncaught exceptions, `console.error`, failed resource loads), checks that every
-image loaded (`naturalWidth > 0`; the ladder chart included, when it is committed), and saves a
-screenshot. Exit 1 when a page does not load, logs an error, or shows a broken image.
+page at 1280 px in one headless chromium driven over the DevTools protocol, every host but
+127.0.0.1 unresolvable. For each page it saves a screenshot, then fails it on:
+
+- a console error (an uncaught exception, `console.error`, a failed load: also any fetch from
+  another host, since nothing should need one), or an image that did not load;
+- a diagram left as text (mermaid is served from the site, docs/javascripts/);
+- a table wider than the content column (every fold opened and every tab shown, so each is laid out);
+- a "No committed result yet" note (a tab or section with nothing to show should not be there).
+
+It also prints each page's teaching prose in words (docs_prose.py: outside code, tables and folds)
+against the targets, which tests/test_docs_prose.py enforces without a browser.
 
     python scripts/docs_check.py [--out DIR] [--chromium PATH]      (make docs-check)
 
-Look at the screenshots afterwards: a page can load without errors and still look wrong.
-
-The expected errors: mkdocs-material loads mermaid (the diagrams) from a CDN when a page shows
-one, and its fonts from Google Fonts. Without internet access -- the development machine has
-none -- those fetches fail: the diagrams stay as text and the text uses a system font. Those
-failures are filtered (OFFLINE_OK) and counted, not hidden; every other error fails the check.
+Look at the screenshots afterwards: a page can pass every check and still read badly.
 """
 from __future__ import annotations
 
@@ -35,14 +38,39 @@ import urllib.parse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docs_prose  # noqa: E402  (beside this file)
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--remote-debugging-port=0", "--hide-scrollbars"]
-# Hosts the theme loads from at view time: mermaid's CDN and Google Fonts (the text then falls
-# back to system fonts). Unreachable offline, so failures to reach them are expected here.
-OFFLINE_OK = ("unpkg.com", "cdn.jsdelivr.net", "fonts.googleapis.com", "fonts.gstatic.com")
+         "--remote-debugging-port=0", "--hide-scrollbars",
+         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]  # offline: only the site itself
 WIDTH, MAX_SHOT_HEIGHT = 1280, 16000
+PLACEHOLDER = "No committed result yet"
+# After the screenshot: wait for the diagrams to draw, then open every fold and show every tab so
+# that each table is laid out, and measure each against the box it scrolls in.
+LAYOUT_JS = """(async () => {
+  // The theme swaps a mermaid fence (a <pre> outside any highlighted code block) for a
+  // <div class="mermaid"> holding the drawn SVG; one still a <pre> was never drawn.
+  const undrawn = () => [...document.querySelectorAll(".md-content pre")].filter(p => !p.closest(".highlight"));
+  const t0 = performance.now();
+  while (undrawn().length && performance.now() - t0 < 15000) {
+    await new Promise(r => setTimeout(r, 200));
+  }
+  const drawn = document.querySelectorAll(".md-content div.mermaid").length;
+  document.querySelectorAll("details").forEach(d => { d.open = true; });
+  const style = document.createElement("style");
+  style.textContent = ".tabbed-set > .tabbed-content > .tabbed-block { display: block !important; }";
+  document.head.appendChild(style);
+  await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  const wide = [...document.querySelectorAll(".md-content table")].map(t => {
+    const box = t.closest(".md-typeset__scrollwrap") || t.parentElement;
+    return {width: t.scrollWidth, column: box.clientWidth,
+            head: (t.querySelector("tr") || t).innerText.replace(/\\s+/g, " ").slice(0, 60)};
+  }).filter(t => t.width > t.column + 1);
+  return {diagrams: drawn + undrawn().length, as_text: undrawn().length, wide,
+          placeholder: document.body.innerText.includes("%s")};
+})()""" % PLACEHOLDER
 # Make lazy images load, wait for every image, report what each one got.
 IMAGES_JS = """(async () => {
   const imgs = [...document.images];
@@ -181,8 +209,8 @@ def start_chromium(chromium: str, profile: Path) -> tuple[subprocess.Popen, DevT
     return proc, DevTools(f"ws://127.0.0.1:{port}{path}")
 
 
-def errors_in(events: list[dict]) -> tuple[list[str], int]:
-    """(console errors, how many were the expected offline CDN failures) from a page's events."""
+def errors_in(events: list[dict]) -> list[str]:
+    """The console errors among a page's events."""
     found: list[str] = []
     for e in events:
         p = e.get("params", {})
@@ -194,10 +222,7 @@ def errors_in(events: list[dict]) -> tuple[list[str], int]:
             found.append("console.error: " + " ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
         elif e.get("method") == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
             found.append(f"{p['entry'].get('text', '')} ({p['entry'].get('url', '')})")
-    offline = [f for f in found if any(host in f for host in OFFLINE_OK)]
-    if os.environ.get("DOCS_CHECK_VERBOSE"):
-        print("\n".join(f"        (ignored) {f}" for f in offline))
-    return [f for f in found if f not in offline], len(offline)
+    return found
 
 
 def check_page(dt: DevTools, url: str, shot: Path) -> tuple[list[str], dict]:
@@ -225,10 +250,18 @@ def check_page(dt: DevTools, url: str, shot: Path) -> tuple[list[str], dict]:
             "clip": {"x": 0, "y": 0, "width": WIDTH, "height": min(int(height), MAX_SHOT_HEIGHT), "scale": 1}},
             session=session)["data"]
         shot.write_bytes(base64.b64decode(shot_data))
-        problems, offline = errors_in([e for e in dt.events if e.get("sessionId") == session])
+        layout = dt.call("Runtime.evaluate", {"expression": LAYOUT_JS, "awaitPromise": True, "returnByValue": True},
+                         session=session)["result"].get("value", {})
+        problems = errors_in([e for e in dt.events if e.get("sessionId") == session])
         problems += [f"image did not load: {i['src']}" for i in images if not i["width"]]
+        if layout.get("as_text"):
+            problems.append(f"{layout['as_text']} of {layout['diagrams']} diagram(s) left as text")
+        problems += [f"table {t['width']} px wide in a {t['column']} px column: {t['head']!r}" for t in layout.get("wide", [])]
+        if layout.get("placeholder"):
+            problems.append(f"a '{PLACEHOLDER}' note")
         ladder = [i for i in images if "ladder" in i["src"].rsplit("/", 1)[-1]]
-        return problems, {"images": len(images), "ladder_chart": [i["width"] for i in ladder], "offline": offline}
+        return problems, {"images": len(images), "ladder_chart": [i["width"] for i in ladder],
+                          "diagrams": layout.get("diagrams", 0)}
     finally:
         dt.call("Target.closeTarget", {"targetId": target})
 
@@ -243,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.chromium} not found: install Debian's chromium (apt-get install chromium)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    failed, offline_total = 0, 0
+    failed = 0
     with tempfile.TemporaryDirectory(prefix="stagewise-docs-") as tmp:
         site = Path(tmp) / "site"
         build_site(site)
+        prose = {page: words for page, (words, _) in docs_prose.report(site).items()}
+        for line in docs_prose.over_targets(site):
+            print(f"note: {line}")
         server, base = serve(site)
         profile = Path(tmp) / "profile"  # a fresh browser profile every run
         proc, dt = start_chromium(chromium, profile)
@@ -257,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                 shot.unlink(missing_ok=True)
                 problems, facts = check_page(dt, base + page, shot)
                 failed += bool(problems)
-                offline_total += facts.get("offline", 0)
                 extra = f"  ladder chart width {facts['ladder_chart']}" if facts.get("ladder_chart") else ""
-                print(f"{'FAIL' if problems else 'ok  '}  /{page:42s} {facts.get('images', 0):2d} images{extra}")
+                words = prose.get(page)
+                print(f"{'FAIL' if problems else 'ok  '}  /{page:42s} {facts.get('images', 0):2d} images "
+                      f"{facts.get('diagrams', 0):2d} diagrams" + (f" {words:5d} words of prose" if words else "") + extra)
                 for p in problems:
                     print(f"        {p}")
         finally:
@@ -272,9 +309,6 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
             server.shutdown()
-    if offline_total:
-        print(f"note: {offline_total} expected error(s) ignored: the theme's CDN hosts ({', '.join(OFFLINE_OK)}) "
-              f"are unreachable offline, so diagrams stay as text and fonts fall back here")
     print(f"{failed} page(s) failed; screenshots in {args.out}" if failed else f"all pages ok; screenshots in {args.out}")
     return 1 if failed else 0
 

@@ -57,6 +57,17 @@ def test_stage_diff_renders_unified_diff_of_python_files(two_stages: Path) -> No
     assert "| `kv_cache.py` | new | +2 | — |" in md
 
 
+def test_stage_diff_folds_each_file_engine_first_tests_last(two_stages: Path) -> None:
+    """A page shows its idea's code above; the diff is every changed line, one folded file at a time."""
+    (two_stages / "stages" / "s01_alpha" / "test_stage.py").write_text("def test_a():\n    assert 1\n")
+    (two_stages / "stages" / "s02_beta" / "test_stage.py").write_text("def test_b():\n\n    assert 2\n")
+    md = hook.render_stage_diff(two_stages, "s01_alpha", "s02_beta")
+    folds = [line for line in md.splitlines() if line.startswith("??? note")]
+    assert folds == ['??? note "`engine.py` (+2 −1)"', '??? note "`kv_cache.py` (+2 −0)"',
+                     '??? note "The tests: `test_stage.py` (+3 −2)"']
+    assert not [line for line in md.splitlines() if line.startswith("```")]  # no diff left unfolded
+
+
 def test_stage_diff_folds_the_tests_away_from_the_code(two_stages: Path) -> None:
     (two_stages / "stages" / "s01_alpha" / "test_stage.py").write_text("def test_a():\n    assert 1\n")
     (two_stages / "stages" / "s02_beta" / "test_stage.py").write_text("def test_b():\n\n    assert 2\n")
@@ -162,6 +173,22 @@ def test_missing_result_json_gives_admonition_with_command(tmp_path: Path) -> No
     assert "--device cuda" in results.default_command("docs/results/cuda/s07_x.cuda.json")
 
 
+def test_bench_tabs_show_a_later_tab_only_once_its_result_is_committed(tmp_path: Path) -> None:
+    args = "CPU docs/results/cpu/s02_x.cpu.json | CUDA, H200 docs/results/cuda/s02_x.cuda.json"
+    md = hook.render_bench_tabs(tmp_path, args, "stages/02.md")
+    assert md.startswith('=== "CPU"') and "No committed result yet" in md
+    assert '=== "CUDA, H200"' not in md
+    for path in ("docs/results/cpu/s02_x.cpu.json", "docs/results/cuda/s02_x.cuda.json"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(json.dumps(_sample()))
+    md = hook.render_bench_tabs(tmp_path, args, "stages/02.md")
+    assert '=== "CPU"' in md and '=== "CUDA, H200"' in md and "No committed result yet" not in md
+    body = md.split('=== "CUDA, H200"')[1].splitlines()[2:]
+    assert body and all(line.startswith("    ") or not line for line in body)  # inside the tab
+    with pytest.raises(results.DocsError, match="LABEL"):
+        hook.render_bench_tabs(tmp_path, "docs/results/cpu/s02_x.cpu.json", "stages/02.md")
+
+
 def test_a_results_command_writes_where_the_result_lies_now() -> None:
     """A result written to a scratch path, or moved since (docs/results/ is laid out by device,
     machine and question), prints the command that writes this very file: the one a reader copies."""
@@ -224,6 +251,25 @@ def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
     (out / "ladder.cpu.json").write_text(json.dumps({"entries": []}))
     with pytest.raises(results.DocsError):
         hook.render_ladder_table(tmp_path, "", "ladder.md")
+
+
+def test_ladder_table_is_two_narrow_tables_and_the_chart_links_full_size(tmp_path: Path) -> None:
+    """Eleven columns overflowed a 688 px column at 1280 px; two tables of at most six fit."""
+    out = tmp_path / "docs" / "results" / "cpu"
+    out.mkdir(parents=True)
+    entry = {k: _sample()[k] for k in ("throughput_tok_s", "ttft_ms", "tpot_ms", "kv")}
+    rows = [{"engine": "s02_kv_cache", **entry}, {"engine": "s04_online_scheduler", "mode": "streaming", **entry}]
+    (out / "ladder.cpu.json").write_text(json.dumps({"entries": rows}))
+    lines = hook.render_ladder_table(tmp_path, "", "ladder.md").splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("| engine |")]
+    assert len(heads) == 2
+    for h in heads:
+        width = lines[h].count("|")
+        assert width - 1 <= 6 and [line.count("|") for line in lines[h:h + 4]] == [width] * 4
+        assert "`s04_online_scheduler` (streaming)" in lines[h + 3]
+    (out / "ladder.cpu.png").write_bytes(b"\x89PNG")
+    chart = hook.render_ladder_chart(tmp_path, "", "index.md")
+    assert chart.startswith("[![") and "](results/cpu/ladder.cpu.png \"the chart at full size\")" in chart
 
 
 def test_parity_table_missing_then_present(tmp_path: Path) -> None:
@@ -320,7 +366,18 @@ def test_stage_pages_use_strict_directives_and_the_committed_result_names() -> N
     for i, (stage, page) in enumerate(zip(stage_dirs, pages)):
         text = page.read_text()
         assert "-if-present" not in text, f"{page.name}: use the strict directives"
-        assert f"<!-- bench-results: docs/results/cpu/{stage}.cpu.json" in text, page.name
+        assert f"<!-- bench-tabs: CPU docs/results/cpu/{stage}.cpu.json | CUDA docs/results/cuda/{stage}.cuda.json" in text, page.name
         assert re.search(rf"<!-- include: stages/{stage}/\S+::\S+ -->", text), f"{page.name}: no symbol include"
         if i:
             assert f"<!-- stage-diff: {stage_dirs[i - 1]} {stage} -->" in text, page.name
+
+
+def test_mermaid_is_served_from_the_site_and_is_the_pinned_file() -> None:
+    """Offline, the theme would fetch mermaid from a CDN and leave every diagram as text; the
+    site carries mermaid itself, the file mkdocs.yml names (tests/test_docs_check.py sees them drawn)."""
+    import hashlib
+
+    config = (REPO / "mkdocs.yml").read_text()
+    assert "  - javascripts/mermaid-11.17.2.min.js" in config and "font: false" in config
+    data = (REPO / "docs" / "javascripts" / "mermaid-11.17.2.min.js").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == "581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8"

@@ -14,6 +14,8 @@ admonitions and content tabs):
                                                               missing = build error
     <!-- include-if-present: stages/s03_x/engine.py -->      the same, or a "not built yet" note
     <!-- bench-results: docs/results/X.json [| command] -->   tables from a bench JSON, or a note
+    <!-- bench-tabs: CPU docs/results/cpu/X.json | CUDA docs/results/cuda/X.json -->
+                                                             a tab per committed result (the first always)
     <!-- ladder-chart[: docs/results/cpu/ladder.cpu.png] -->     the ladder image, or a note
     <!-- ladder-table[: docs/results/cpu/ladder.cpu.json] -->    the ladder table, or a note
     <!-- parity-table: docs/results/parity.X.json -->        `stagewise parity`'s table, or a note
@@ -43,7 +45,7 @@ from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _na
                                _value, default_command, env_line, load_result, placed_command, render_bench_ratio,
                                render_bench_results, render_bench_value)
 
-BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results",
+BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results", "bench-tabs",
          "ladder-chart", "ladder-table", "parity-table", "serve-pairs")
 INLINE = ("bench-value", "bench-ratio")
 _NAMES = "|".join(sorted(BLOCK + INLINE, key=len, reverse=True))
@@ -94,10 +96,10 @@ def _is_test(name: str) -> bool:
 
 
 def render_stage_diff(root: Path, a: str, b: str, strict: bool = True) -> str:
-    """The diff table, the engine code's diff in view, and the tests' diff folded away.
+    """The diff table, then each file's diff folded on its own.
 
-    The tests of a stage are about its own idea, so their diff is long and mostly replaced
-    lines; folding it keeps the optimization itself on screen.
+    The page has already shown the idea's code; the diff is for a reader who wants every line
+    that changed, one file at a time (the tests' diffs, long and mostly replaced lines, last).
     """
     if not strict and not (_stage_dir(root, a).is_dir() and _stage_dir(root, b).is_dir()):
         missing = [n for n in (a, b) if not _stage_dir(root, n).is_dir()]
@@ -110,16 +112,13 @@ def render_stage_diff(root: Path, a: str, b: str, strict: bool = True) -> str:
         return _admonition("info", "No differences", f"`{cmd}` finds no difference in *.py files.")
     rows = "\n".join(f"| `{f}` | {kind} | {f'+{add}' if add else '—'} | {f'−{rem}' if rem else '—'} |"
                      for f, kind, add, rem, _ in files)
-    out = [f"Generated at build time from the code: `{cmd}` (Python files only).",
+    out = [f"Generated at build time from the code: `{cmd}` (Python files only); each file's diff "
+           f"unfolds on a click, the engine's first, its tests last.",
            f"| file | change | added | removed |\n|---|---|--:|--:|\n{rows}"]
-    code = [ln for f, *_, lines in files if not _is_test(f) for ln in lines]
-    if code:
-        out.append(_fence("\n".join(code), "diff"))
-    for f, _, add, rem, lines in files:
-        if _is_test(f):
-            fenced = _fence("\n".join(lines), "diff")
-            out.append(f'??? note "The tests: `{f}` (+{add} −{rem}), click to unfold"\n\n'
-                       + textwrap.indent(fenced, "    ", lambda _: True))
+    for f, _, add, rem, lines in sorted(files, key=lambda row: _is_test(row[0])):
+        fenced = _fence("\n".join(lines), "diff")
+        title = f"The tests: `{f}`" if _is_test(f) else f"`{f}`"
+        out.append(f'??? note "{title} (+{add} −{rem})"\n\n' + textwrap.indent(fenced, "    ", lambda _: True))
     return "\n\n".join(out)
 
 
@@ -170,6 +169,23 @@ def render_include(root: Path, spec: str, strict: bool = False) -> str:
     return _fence(text, f'{lang} title="{title}"')
 
 
+# ----------------------------------------------------------------------------- result tabs
+def render_bench_tabs(root: Path, args: str, page_src: str | None = None) -> str:
+    """`LABEL path | LABEL path ...`: one tab per committed result. The first (the CPU's, which
+    every stage has) always shows, as its note when missing; a later one only once its file is
+    committed, so a reader never opens a tab that holds nothing."""
+    tabs = []
+    for i, part in enumerate(p.strip() for p in args.split("|")):
+        label, _, path = part.rpartition(" ")
+        if not label or not path.endswith(".json"):
+            raise DocsError(f"bench-tabs: expected 'LABEL path.json', got {part!r}")
+        if i and not (root / path).is_file():
+            continue
+        body = render_bench_results(root, path, page_src)
+        tabs.append(f'=== "{label}"\n\n' + textwrap.indent(body, "    ", lambda _: True))
+    return "\n\n".join(tabs)
+
+
 # ----------------------------------------------------------------------------- ladder
 def render_ladder_chart(root: Path, args: str, page_src: str | None = None) -> str:
     path = args.strip() or "docs/results/cpu/ladder.cpu.png"
@@ -177,8 +193,17 @@ def render_ladder_chart(root: Path, args: str, page_src: str | None = None) -> s
         return _admonition("info", "Ladder chart not committed yet",
                            f"`{path}` appears here once it is committed. Produce it with:\n\n"
                            + _fence(default_command(path), "bash"))
-    return (f"![Throughput and TTFT of every stage on one workload]({_rel(root, path, page_src)})"
-            "{ loading=lazy }")
+    href = _rel(root, path, page_src)
+    return (f"[![Throughput and TTFT of every stage on one workload]({href}){{ loading=lazy }}]({href} "
+            f"\"the chart at full size\")\n\n*Click the chart for it at full size.*")
+
+
+LADDER_TABLES = (
+    (("completion tok/s", "total tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)"),
+     ("throughput_tok_s.completion", "throughput_tok_s.total", "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50")),
+    (("ITL p99 (ms)", "decode step (ms)", "x floor", "peak KV (MiB)"),
+     ("itl_ms.p99", "decode_step_ms", "x_floor", "kv.peak_kv_bytes")),
+)
 
 
 def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> str:
@@ -194,18 +219,18 @@ def render_ladder_table(root: Path, args: str, page_src: str | None = None) -> s
     out = [f"**Command:** `{placed_command(data, path)}`", "",
            f"**Environment:** {env_line(data)}. "
            f"Raw JSON: [`{Path(path).name}`]({_rel(root, path, page_src)}).", "",
-           "| engine | mode | completion tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
-           "| TPOT p50 (ms) | ITL p99 (ms) | decode step (ms) | x floor | peak KV (MiB) |",
-           "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+           "Throughput and latency:", ""]
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise DocsError(f"{path}: entries[{i}] must be an object")
         _number(e, "throughput_tok_s.completion", f"{path} entries[{i}]")
-        cells = [_fmt(_value(e, k)) for k in ("throughput_tok_s.completion", "throughput_tok_s.total",
-                                              "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "itl_ms.p99",
-                                              "decode_step_ms", "x_floor", "kv.peak_kv_bytes")]
-        out.append(f"| `{_name(e, str(i))}` | {e.get('mode', '—')} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    for heads, keys in LADDER_TABLES:  # two tables of a few columns: each fits the page's column
+        out += ["| engine | " + " | ".join(heads) + " |", "|---|" + "--:|" * len(heads)]
+        for i, e in enumerate(entries):
+            name = f"`{_name(e, str(i))}`" + (" (streaming)" if e.get("mode") == "streaming" else "")
+            out.append(f"| {name} | " + " | ".join(_fmt(_value(e, k)) for k in keys) + " |")
+        out += ["", "The decode step against the floor, and KV memory:", ""]
+    return "\n".join(out[:-3])
 
 
 def render_parity_table(root: Path, args: str, page_src: str | None = None) -> str:
@@ -272,6 +297,8 @@ def _render_block(root: Path, name: str, args: str, page_src: str | None) -> str
         return render_stage_diff(root, *stages, strict=(name == "stage-diff"))
     if name in ("include", "include-if-present"):
         return render_include(root, args, strict=(name == "include"))
+    if name == "bench-tabs":
+        return render_bench_tabs(root, args, page_src)
     if name == "bench-results":
         path, _, cmd = args.partition("|")
         return render_bench_results(root, path, page_src, cmd.strip() or None)
