@@ -260,12 +260,14 @@ def render_parity_table(root: Path, args: str, page_src: str | None = None) -> s
     return "\n".join(out)
 
 
-SERVE_PAIR_COLUMNS = (  # (heading, key in a pair, suffix)
-    ("prefill, in-process", "prefill_p50_ms.in_process", ""), ("prefill, HTTP", "prefill_p50_ms.http", ""),
-    ("net, in-process", "ttft_p50_outside_prefill_ms.in_process", ""),
-    ("net, HTTP", "ttft_p50_outside_prefill_ms.http", ""), ("HTTP adds (net)", "ttft_p50_added_ms", ""),
-    ("HTTP adds (raw)", "ttft_p50_added_raw_ms", ""), ("throughput lost", "throughput_loss_pct", " %"),
-    ("intake, in-process", "intake_span_ms.in_process", ""), ("intake, HTTP", "intake_span_ms.http", ""))
+SERVE_PAIR_TABLES = (  # two tables of (heading, key in a pair, suffix): each fits the page's column
+    (("prefill, in-process", "prefill_p50_ms.in_process", ""), ("prefill, HTTP", "prefill_p50_ms.http", ""),
+     ("net, in-process", "ttft_p50_outside_prefill_ms.in_process", ""),
+     ("net, HTTP", "ttft_p50_outside_prefill_ms.http", "")),
+    (("HTTP adds (net)", "ttft_p50_added_ms", ""), ("HTTP adds (raw)", "ttft_p50_added_raw_ms", ""),
+     ("throughput lost", "throughput_loss_pct", " %"),
+     ("intake, in-process", "intake_span_ms.in_process", ""), ("intake, HTTP", "intake_span_ms.http", "")),
+)
 
 
 def render_serve_pairs(root: Path, args: str, page_src: str | None = None) -> str:
@@ -279,13 +281,16 @@ def render_serve_pairs(root: Path, args: str, page_src: str | None = None) -> st
     pairs = (data.get("overhead") or {}).get("pairs") if data.get("kind") == "serve-overhead" else None
     if not isinstance(pairs, list) or not pairs:
         raise DocsError(f"{path}: expected a `stagewise serve-overhead` result with 'overhead.pairs'")
-    out = ["| pair | first | " + " | ".join(h for h, _, _ in SERVE_PAIR_COLUMNS) + " |",
-           "|---|---|" + "--:|" * len(SERVE_PAIR_COLUMNS)]
-    for i, pair in enumerate(pairs):
-        first = {"http": "HTTP"}.get(pair.get("first"), pair.get("first", "?"))
-        cells = [_fmt(_number(pair, key, f"{path} pair {i + 1}")) + suffix for _, key, suffix in SERVE_PAIR_COLUMNS]
-        out.append(f"| {i + 1} | {first} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    tables = []
+    for t, columns in enumerate(SERVE_PAIR_TABLES):
+        lead = "| pair | first | " if t == 0 else "| pair | "
+        out = [lead + " | ".join(h for h, _, _ in columns) + " |", "|---|" + ("---|" if t == 0 else "") + "--:|" * len(columns)]
+        for i, pair in enumerate(pairs):
+            first = {"http": "HTTP"}.get(pair.get("first"), pair.get("first", "?"))
+            cells = [_fmt(_number(pair, key, f"{path} pair {i + 1}")) + suffix for _, key, suffix in columns]
+            out.append(f"| {i + 1} | " + (f"{first} | " if t == 0 else "") + " | ".join(cells) + " |")
+        tables.append("\n".join(out))
+    return "\n\nWhat HTTP added, and how long each side took to take the burst in:\n\n".join(tables)
 
 
 # ----------------------------------------------------------------------------- the hook
