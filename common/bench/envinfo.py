@@ -32,7 +32,7 @@ def _git(*args: str) -> str | None:
 
 def git_info() -> dict:
     if os.environ.get("STAGEWISE_GIT_COMMIT"):
-        # A copy of the working tree sent to a GPU machine (README "CUDA"): the command that sent
+        # A copy of the working tree sent to a GPU machine (scripts/README.md): the command that sent
         # it says which commit it is, and whether it had uncommitted edits. It wins over a .git
         # found there, which can be older than the tree: the device tool's copy once carried the
         # session's first commit, and results of later code said that commit, dirty.
