@@ -409,12 +409,30 @@ def test_cli_hands_bench_flags_over_untouched(monkeypatch):
     assert seen == {"pkg": "pkg-2", "argv": ["--num-requests", "4", "--prompt", "a b"]}
 
 
-def test_collect_env_fields():
-    from common.bench.envinfo import collect_env
+def test_collect_env_fields(monkeypatch):
+    import subprocess
 
+    from common.bench.envinfo import REPO_ROOT, collect_env
+
+    def git_says() -> dict:
+        """This checkout's commit, and whether tracked files outside docs/results/ have edits, from git itself."""
+        def git(*args: str) -> str | None:
+            try:
+                return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
+                                      timeout=10, check=True).stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                return None  # no git or no repository: the fields must say "unknown" (None)
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results")
+        return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": None if status is None else status != ""}
+
+    monkeypatch.delenv("STAGEWISE_GIT_COMMIT", raising=False)  # a device copy's stand-in: ask git here
+    before = git_says()
     env = collect_env("cpu")
+    after = git_says()  # (the checkout may change while the tests run: either state is right)
     assert env["device_name"] == "cpu" and env["torch"] == torch.__version__ and env["cpu_count"] >= 1
-    assert env["git_dirty"] in (True, False, None)
+    # The top-level fields are the state at import; where the checkout has moved since, git_now is now's.
+    now = env.get("git_now", {"git_commit": env["git_commit"], "git_dirty": env["git_dirty"]})
+    assert now in (before, after), (now, before, after)
 
 
 # ----------------------------------------------------------------------------- HF baseline

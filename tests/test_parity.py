@@ -86,6 +86,22 @@ def test_seeded_sampling_reproduces(stage, tiny):
 
 
 @pytest.mark.parametrize("stage", STAGE_DIRS)
+def test_sampling_is_not_greedy(stage, tiny):
+    """Reproducing itself (above) would pass with `do_sample` ignored: a hot, seeded sample must
+    leave the greedy path somewhere. Each prompt runs twice in one batch, greedy and sampled, so
+    the rows' own params are what decides. The seed makes the outcome fixed, not a matter of luck
+    (at temperature 2 the tiny model's 40 sampled tokens all equal the argmax only by mistake)."""
+    engine = stage_module(stage).InferenceEngine(tiny, max_batch_size=4)
+    greedy = SamplingParams(max_new_tokens=8, stop_on_eos=False)
+    hot = SamplingParams(max_new_tokens=8, do_sample=True, temperature=2.0, seed=1234, stop_on_eos=False)
+    prompts = TEXT_PROMPTS[:5]
+    out = [c.token_ids for c in engine.generate([Request(prompt=p, params=q) for p in prompts for q in (greedy, hot)])]
+    assert all(len(t) == 8 for t in out)
+    pairs = list(zip(out[0::2], out[1::2]))  # (greedy, sampled) per prompt
+    assert any(g != s for g, s in pairs), f"{stage}: sampling gave the greedy tokens for every prompt"
+
+
+@pytest.mark.parametrize("stage", STAGE_DIRS)
 @pytest.mark.parametrize(
     "field,request_",
     [

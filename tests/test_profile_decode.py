@@ -1,4 +1,4 @@
-"""`stagewise profile-decode`: the window holds exactly the decode steps asked for, and the groups add up."""
+"""`stagewise profile-decode`: the window holds exactly the decode steps asked for, and each op lands in its group."""
 from __future__ import annotations
 
 import json
@@ -22,8 +22,10 @@ def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     mm = [row for row in r["ops"] if row["group"] == "matmul"]
     assert len(mm) == 1 and mm[0]["calls_per_step"] == pytest.approx(r["matmuls_per_step"])
     assert len(r["step_samples_ms"]) == 4 and r["decode_step_ms"] > 0 and r["floor_ms"] > 0
-    assert sum(r["groups_ms_profiled"].values()) == pytest.approx(r["profiled_step_ms"])
-    assert sum(r["groups_share"].values()) == pytest.approx(1.0)
+    # The groups are the op rows' (the shares are those over their sum, 1 in all by construction):
+    # every listed op sits in its name's group, and the one matmul op is the whole matmul group.
+    assert all(row["group"] == profile_decode.group_of(row["op"]) for row in r["ops"])
+    assert r["groups_ms_profiled"]["matmul"] == pytest.approx(mm[0]["ms_per_step"])
     assert r["groups_ms_profiled"]["matmul"] > 0 and r["groups_ms_profiled"]["attention"] > 0
     if stage != "2":  # the paged stages gather their blocks
         assert r["groups_ms_profiled"]["kv_cache"] > 0
@@ -56,6 +58,34 @@ def test_groups() -> None:
     assert profile_decode.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert profile_decode.group_of("aten::_cudnn_attention_forward") == "attention"  # SDPA's CUDA backend, as the H200 named it
     assert profile_decode.group_of("aten::rsqrt") == "other"
+
+
+def test_ops_of_known_names_and_times_give_the_groups_and_their_ms() -> None:
+    """A profile with ops of known names and times (us over 4 steps) -> each group's ms per step."""
+    from types import SimpleNamespace as Row
+
+    class Prof:
+        def key_averages(self):
+            return [Row(key="mkldnn::_linear_pointwise", self_cpu_time_total=8000.0, count=360),
+                    Row(key="aten::addmm", self_cpu_time_total=400.0, count=4),
+                    Row(key="aten::_scaled_dot_product_flash_attention_for_cpu", self_cpu_time_total=2000.0, count=120),
+                    Row(key="aten::index_select", self_cpu_time_total=1200.0, count=240),
+                    Row(key="aten::index_copy_", self_cpu_time_total=400.0, count=240),
+                    Row(key="aten::rsqrt", self_cpu_time_total=600.0, count=244),
+                    Row(key="aten::slice", self_cpu_time_total=200.0, count=500),
+                    Row(key="aten::empty", self_cpu_time_total=0.0, count=9)]  # no own time: not an op row
+
+    ops = profile_decode.op_table(Prof(), steps=4)
+    assert [(r["op"], r["group"]) for r in ops] == [
+        ("mkldnn::_linear_pointwise", "matmul"), ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("aten::index_select", "kv_cache"), ("aten::rsqrt", "other"), ("aten::addmm", "matmul"),
+        ("aten::index_copy_", "kv_cache"), ("aten::slice", "other")]  # largest first
+    fields = profile_decode.group_fields(ops)
+    assert fields["groups_ms_profiled"] == pytest.approx({"matmul": 2.1, "attention": 0.5, "kv_cache": 0.4, "other": 0.2})
+    assert fields["profiled_ms"] == pytest.approx(3.2)
+    assert fields["groups_share"] == pytest.approx({"matmul": 2.1 / 3.2, "attention": 0.5 / 3.2,
+                                                    "kv_cache": 0.4 / 3.2, "other": 0.2 / 3.2})
+    assert profile_decode.group_fields([])["groups_share"] == {g: 0.0 for g in ("matmul", "attention", "kv_cache", "other")}
 
 
 def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:

@@ -64,6 +64,7 @@ def test_serve_compare_runs_both_servers_end_to_end(tmp_path: Path, capsys, monk
     assert result["server"]["data"][0]["owned_by"] == "stagewise"
     # it was transformers that answered (its /v1/models fails offline in some releases: then no list)
     assert theirs["server"] is None or theirs["server"]["data"][0]["id"] == str(model_dir("tiny"))
-    assert isinstance(result["same_completion_tokens"], bool)
+    # Both greedy, on the same weights in fp32, the same 4 prompts: two correct engines do the same work.
+    assert result["same_completion_tokens"] is True
     assert result["ratios"]["throughput_completion"] > 0
     assert "completion tokens per run" in capsys.readouterr().out

@@ -106,15 +106,24 @@ IDLE = getattr(os, "SCHED_IDLE", None)
 
 
 def _os_allows_idle() -> bool:
-    """Can this process move a thread to SCHED_IDLE (a sandbox may refuse the system call)?"""
-    release = threading.Event()
-    t = threading.Thread(target=release.wait)
+    """Can this process move a thread to SCHED_IDLE (a sandbox may refuse the system call)?
+
+    Asked of the OS, not of run_at_idle_priority (the code under test: if it broke and returned
+    False, the tests below must fail, not skip): a scratch thread moves itself (pid 0 = the
+    calling thread on Linux) and ends, so nothing else changes class."""
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, IDLE, os.sched_param(0))
+            allowed.append(os.sched_getscheduler(0) == IDLE)
+        except OSError:
+            allowed.append(False)
+
+    t = threading.Thread(target=probe, name="sched-idle-probe")
     t.start()
-    try:
-        return run_at_idle_priority(t)
-    finally:
-        release.set()
-        t.join()
+    t.join()
+    return allowed == [True]
 
 
 CAN_IDLE = IDLE is not None and sys.platform.startswith("linux") and _os_allows_idle()
@@ -163,6 +172,20 @@ def test_idle_priority_reaches_the_openmp_team_the_thread_starts_later():
     assert int(idle) == 3, out.stdout  # the thread and the two helpers it made after the move
     assert worker_idle == "True" and main_normal == "True", out.stdout
     assert only_late == "True", out.stdout
+
+
+@pytest.mark.skipif(not CAN_IDLE, reason="Linux's SCHED_IDLE (allowed here)")
+def test_idle_priority_moves_that_thread_only():
+    release = threading.Event()
+    t = threading.Thread(target=release.wait)
+    t.start()
+    try:
+        assert run_at_idle_priority(t) is True
+        assert os.sched_getscheduler(t.native_id) == IDLE
+        assert os.sched_getscheduler(0) == getattr(os, "SCHED_OTHER", 0)  # the caller keeps its class
+    finally:
+        release.set()
+        t.join()
 
 
 def test_idle_priority_is_a_no_op_without_sched_idle(monkeypatch):

@@ -43,8 +43,15 @@ def _submit_kwargs(request) -> dict:
 
 
 def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: float = 0.0,
-                       submit_schedule: str = "absolute", timeout_s: float = 600.0) -> tuple[dict, list]:
-    """Submit `requests` to `manager` on the schedule, drain every stream, summarize the run."""
+                       submit_schedule: str = "absolute", timeout_s: float = 600.0,
+                       clock: Callable[[], float] = time.perf_counter,
+                       sleep_until: Callable[[float], None] = _sleep_until) -> tuple[dict, list]:
+    """Submit `requests` to `manager` on the schedule, drain every stream, summarize the run.
+
+    `clock` stamps the client's times (must be the clock the manager stamps Completions with) and
+    `sleep_until(deadline)` waits for a time on it: a test passes a virtual clock, so it can check
+    the schedule exactly, where the wall clock of a busy machine would only bound it.
+    """
     if submit_schedule not in ("absolute", "relative"):
         raise ValueError(f"submit_schedule: 'absolute' or 'relative', got {submit_schedule!r}")
     n, interval = len(requests), submit_interval_ms / 1000.0
@@ -63,7 +70,7 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
             text, ids = [], []
             for chunk in handle:
                 if received[i] is None and chunk.token_ids:
-                    received[i] = time.perf_counter()
+                    received[i] = clock()
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
             streamed[i] = ("".join(text), ids)
@@ -77,7 +84,7 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
                    key=lambda i: requests[i].submit_offset_s)
 
     def submit() -> None:
-        t0 = time.perf_counter()
+        t0 = clock()
         next_at = t0
         k = j = 0  # plain[k] is the next request on the schedule (it takes slot k), timed[j] the next late one
         while k < len(plain) or j < len(timed):
@@ -89,14 +96,14 @@ def run_streaming_once(manager: Any, requests: list, *, submit_interval_ms: floa
             else:
                 i, k = plain[k], k + 1
                 planned[i] = slot_at
-            _sleep_until(planned[i])
-            called[i] = time.perf_counter()
+            sleep_until(planned[i])
+            called[i] = clock()
             try:
                 handle = manager.add_request(**_submit_kwargs(requests[i]))
             except BaseException as exc:
                 errors.append((i, exc))
                 handle = None
-            returned[i] = time.perf_counter()
+            returned[i] = clock()
             inboxes[i].put(handle)
             if not late:
                 next_at = returned[i] + interval

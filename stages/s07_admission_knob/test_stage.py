@@ -48,27 +48,27 @@ def test_scheduler_manager_prefill_max_batch_size_validates_positive(engine, bad
         SchedulerManager(engine, max_batch_size=bad, prefill_max_batch_size=8)
 
 
-def test_scheduler_manager_prefill_max_batch_size_decouples_from_decode(engine):
-    mgr = SchedulerManager(engine, max_batch_size=2, prefill_max_batch_size=8)
-    try:
-        assert mgr.scheduler.max_batch_size == 2
-        assert mgr._prefill_max_batch_size == 8
-    finally:
-        mgr.close()
+def test_scheduler_manager_prefill_max_batch_size_decouples_from_decode(engine, hf_greedy):
+    # A burst of 7 with the knob at 5 and the decode batch at 2: the worker admits 5, then the
+    # other 2, and no decode step runs more than 2 sessions. (Admission capped by the decode
+    # batch would give [2, 2, 2, 1]; the decode batch widened to the knob, steps of 5.)
+    admits, steps = _burst(engine, hf_greedy, n=7, max_batch_size=2, prefill_max_batch_size=5)
+    assert admits == [5, 2]
+    assert max(steps) == 2
 
 
-def test_none_keeps_the_old_behaviour(engine):
-    with SchedulerManager(engine, max_batch_size=3) as mgr:
-        assert mgr._prefill_max_batch_size == mgr.scheduler.max_batch_size == 3
-    with SchedulerManager(engine, max_batch_size=3, prefill_max_batch_size=None) as mgr:
-        assert mgr._prefill_max_batch_size == 3
+def test_none_keeps_the_old_behaviour(engine, hf_greedy):
+    # The knob left out, or None: one worker iteration admits max_batch_size requests, as in stage 06.
+    assert _burst(engine, hf_greedy, n=7, max_batch_size=3)[0] == [3, 3, 1]
+    assert _burst(engine, hf_greedy, n=7, max_batch_size=3, prefill_max_batch_size=None)[0] == [3, 3, 1]
 
 
 # ---- the knob at work ----------------------------------------------------------------------
 
-def _burst(engine, hf_greedy, max_batch_size: int, prefill_max_batch_size: int | None, n: int = 8):
-    """Hold the worker, queue n requests, let it go; returns (add_requests sizes, decode step sizes)."""
-    with SchedulerManager(engine, max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size) as mgr:
+def _burst(engine, hf_greedy, n: int = 8, **knobs: int | None) -> tuple[list[int], list[int]]:
+    """Hold the worker, queue n requests, let it go; returns (add_requests sizes, decode step sizes).
+    `knobs` go to the SchedulerManager as given (a knob left out takes its default)."""
+    with SchedulerManager(engine, **knobs) as mgr:
         admits: list[int] = []
         steps: list[int] = []
         add_requests, step = mgr.scheduler.add_requests, mgr.scheduler.step
