@@ -22,6 +22,7 @@ STAGES: dict[int, str] = {
     9: "stages.s09_batched_worker_lookups",
     10: "stages.s10_block_prefix_cache",
     11: "stages.s11_chunked_prefill",
+    12: "stages.s12_cuda_graphs",
 }
 
 

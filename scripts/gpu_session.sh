@@ -65,6 +65,31 @@ step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
 RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
 G2=gpt2-random
 
+# Item 1: the newest stage, proven on the GPU first. Stage 12 (CUDA graphs): its tests and the
+# CUDA ones (capture, replay equal to eager in fp32, one sync a step, memory back on close()),
+# then stage 12 against stage 11 in the same call: decode steps at batch 64, 16 and 1 (the
+# ladder's entries keep each engine's kv_stats: graphs, capture time, pool bytes), fp32 tokens
+# against transformers, a decode profile (kernel time against the step), post 052's shape, and
+# the 32x16 random-lengths ladder with transformers.
+step tests-s12 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+    stages/s12_cuda_graphs/test_stage.py tests/test_cuda.py -k "s12 or s11 or stage12 or profiles"
+for b in 64 16 1; do
+    step ladder-decode-step-b$b-s11-s12-$G2 - 90 $PY -m common.cli ladder --workload decode-step --stages 11,12 --no-hf \
+        --num-requests $b --max-batch-size $b --model $G2 --device $DEVICE --rounds 1 --repeat-runs 2 \
+        --tag decode-step-b$b.s11-s12.$G2 --out $RESULTS
+done
+step parity-s11-s12-fp32-$G2 - 120 $PY -m common.cli parity --model $G2 --dtype float32 --stages 11,12 \
+    --device $DEVICE --json $RESULTS/parity.s11-s12.fp32.$G2.$DEVICE.json
+step profile-s12_cuda_graphs-$G2 - 60 $PY -m common.cli profile-decode --stage 12 --model $G2 --device $DEVICE \
+    --batch 64 --prompt-len 64 --steps 20 --json $RESULTS/profile.s12_cuda_graphs.b64.$G2.$DEVICE.json
+step make-bench-s12-vs-s11-$G2 - 120 $PY -m stages.s12_cuda_graphs.bench --preset post-052 --compare --model $G2 \
+    --device $DEVICE --json $RESULTS/make-bench.s12_cuda_graphs.$G2.$DEVICE.json
+step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --workload random-lengths \
+    --num-requests 32 --max-batch-size 16 --max-new-tokens 64 --stages 11,12 --model $G2 --device $DEVICE \
+    --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
+step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
+    --json $RESULTS/s12_cuda_graphs.$DEVICE.json
+
 # What ran on the H200 at e5514d9 (docs/results/cuda/) comes last here, to be measured
 # again at the newest commit; what never ran comes first.
 #

@@ -172,7 +172,7 @@ def shared_process(engines: int | None) -> dict:
 
 KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache max concurrency",
                "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size",
-               "max_num_batched_tokens": "Max num batched tokens"}
+               "max_num_batched_tokens": "Max num batched tokens", "max_cudagraph_capture_size": "Max CUDA graph batch"}
 
 
 def knob_header(spec: EngineSpec) -> dict:
@@ -183,6 +183,10 @@ def knob_header(spec: EngineSpec) -> dict:
         header["Prefix cache"] = "off" if size == 0 else f"on (max entries {size or 'default'})"
     elif spec.module is not None and accepted(spec.module.InferenceEngine, {"enable_prefix_caching": False}):
         header["Prefix cache"] = "off" if spec.knobs.get("enable_prefix_caching") is False else "on (full blocks)"
+    if spec.module is not None and accepted(spec.module.InferenceEngine, {"enforce_eager": True}):
+        size = spec.knobs.get("max_cudagraph_capture_size")
+        header["CUDA graphs"] = ("off (--enforce-eager)" if spec.knobs.get("enforce_eager") else
+                                 f"decode steps up to batch {size or 'max'} (captured on CUDA, the same path eager on a CPU)")
     return header
 
 

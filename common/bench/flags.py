@@ -20,7 +20,8 @@ from typing import Any
 from common.bench.workloads import build_workload
 
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
-                "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens")
+                "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens",
+                "max_cudagraph_capture_size")
 # Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
 # block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
 PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
@@ -83,6 +84,9 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
                    help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
+    g.add_argument("--enforce-eager", action="store_true", help="stage 12+: no CUDA graphs, every step eager (vLLM's flag)")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="stage 12+: the largest decode batch captured as a CUDA graph (default: max batch size)")
 
 
 def add_streaming_args(p: argparse.ArgumentParser) -> None:
@@ -243,6 +247,7 @@ def accepted(callable_: Any, knobs: dict) -> dict:
 
 def engine_knobs(args: argparse.Namespace) -> dict:
     knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
+    knobs["enforce_eager"] = True if getattr(args, "enforce_eager", False) else None  # offered only when asked for
     if args.no_prefix_cache:
         knobs["prefix_cache_max_entries"] = 0
         knobs["enable_prefix_caching"] = False
