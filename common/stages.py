@@ -23,6 +23,7 @@ STAGES: dict[int, str] = {
     10: "stages.s10_block_prefix_cache",
     11: "stages.s11_chunked_prefill",
     12: "stages.s12_cuda_graphs",
+    13: "stages.s13_preemption",
 }
 
 

@@ -57,6 +57,8 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--unique-prompts", {"action": "store_true", "help": "append ' #i' to each prompt text"}),
     ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
     ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
+    ("--chat-prompts", {"action": "store_true",
+                        "help": "a different short question per request, in the model's chat template (stops at EOS)"}),
     ("--num-requests", {"type": int, "default": 32}),
     ("--max-new-tokens", {"type": int, "default": 16}),
     ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (HTTP: sends ignore_eos)"}),
@@ -212,12 +214,15 @@ def workload_from_args(tokenizer, args: argparse.Namespace):
         long_max_new_tokens=args.long_max_new_tokens, shared_prefix_len=args.shared_prefix_len,
         repeat_prompts=args.repeat_prompts, stop_on_eos=not args.no_stop_on_eos, seed=args.seed,
         pretok=args.pretok, pretok_base_token_ids=args.pretok_base_token_ids, long_prompts=args.long_prompts,
-        long_prompt_len=args.long_prompt_len, long_prompt_interval_ms=args.long_prompt_interval_ms)
+        long_prompt_len=args.long_prompt_len, long_prompt_interval_ms=args.long_prompt_interval_ms,
+        chat_prompts=args.chat_prompts)
 
 
 def describe_workload(args: argparse.Namespace) -> str:
     if args.prompt_len_min is not None:
         text = f"random prompts {args.prompt_len_min}-{args.prompt_len_max} tokens"
+    elif args.chat_prompts:
+        text = "a different short chat question each"
     else:
         text = f"prompt {args.prompt!r}" + (" + ' #i'" if args.unique_prompts else "")
     if args.shared_prefix_len:

@@ -201,7 +201,8 @@ def prepare(args: argparse.Namespace, notes: list[str]) -> Setup:
     max_len = int(loaded.config.max_position_embeddings)
     kw = workload_kwargs(args, max_len, notes)
     requests = build_workload(loaded.tokenizer, seed=args.seed, **kw)
-    concurrency = min(len(requests), max(args.max_batch_size, args.prefill_max_batch_size or 0))
+    concurrency = WORKLOADS[args.workload][2].get("kv_concurrency") or \
+        min(len(requests), max(args.max_batch_size, args.prefill_max_batch_size or 0))
     num_blocks = args.num_kv_blocks or auto_kv_blocks(requests, loaded.tokenizer, max_len, concurrency)
     return Setup(loaded, requests, kw, num_blocks)
 

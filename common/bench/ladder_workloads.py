@@ -46,6 +46,10 @@ WORKLOADS: dict[str, tuple[str, dict, dict]] = {
                      dict(num_requests=16, prompt_len_range=(64, 128), max_new_tokens=96, stop_on_eos=False,
                           long_prompts=4, long_prompt_len=2000, long_prompt_interval_ms=2000.0),
                      {"max_batch_size": 16}),
+    "kv-pressure": ("64 chat questions that may take 512 tokens and stop at EOS far sooner, a KV pool for 8 of them "
+                    "at their worst: booking the worst case against taking blocks on demand (stage 13)",
+                    dict(num_requests=64, chat_prompts=True, max_new_tokens=512, stop_on_eos=True),
+                    {"max_batch_size": 64, "kv_concurrency": 8}),
 }
 DEFAULT_MAX_BATCH_SIZE = 8
 SHARED_PREFIX_QUESTION_ROOM = 16  # tokens kept for the question after a shared prefix, when it must be cut
@@ -87,6 +91,8 @@ def workload_kwargs(args: argparse.Namespace, max_model_len: int, notes: list[st
 def describe(name: str, kw: dict) -> str:
     if kw.get("prompt_len_range"):
         text = "random prompts {}-{} tokens".format(*kw["prompt_len_range"])
+    elif kw.get("chat_prompts"):
+        text = "a different chat question each"
     else:
         text = f"prompt {kw['prompt'][:40] + '...' if len(kw['prompt']) > 40 else kw['prompt']!r}"
         text += " + ' #i'" if kw.get("unique_prompts") else " (the same each time)"

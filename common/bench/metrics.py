@@ -19,6 +19,7 @@ metrics stay cheap to use from scripts.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -105,6 +106,9 @@ def summarize(completions: Sequence[Completion], wall_s: float | None = None) ->
         "latency_ms": _ms(latency),
     }
     out["decode_step_ms"] = out["itl_ms"]["p50"]
+    per_step = list(Counter(t for c in completions for t in c.token_timestamps).values())
+    if per_step:  # an engine stamps every token of one step with the same time: tokens per step
+        out["step_batch"] = {"mean": sum(per_step) / len(per_step), "peak": max(per_step)}
     for key, values in (
         ("tokenize_ms", tokenize),
         ("queue_wait_ms", queue_wait),

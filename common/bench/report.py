@@ -51,7 +51,7 @@ def format_report(summary: dict, header: dict, runs: list[dict] | None = None,
     if isinstance(tput, dict):
         lines.append(f"Throughput (completion,total): {float(tput['completion']):.2f}/"
                      f"{float(tput['total']):.2f} tokens/s")
-    lines += floor_lines(summary)
+    lines += floor_lines(summary) + kv_lines(summary)
     if runs and len(runs) > 1:
         per_run = [float(r["throughput_tok_s"]["completion"]) for r in runs]
         lines.append(f"Runs: {len(runs)} (medians above; completion tokens/s per run: "
@@ -68,6 +68,19 @@ def floor_lines(summary: dict) -> list[str]:
         lines.append(f"Matmul floor at batch {summary.get('floor_batch', '?')} (ms): {float(summary['floor_ms']):.3f}")
     if summary.get("x_floor") is not None:
         lines.append(f"x floor: {float(summary['x_floor']):.2f}")
+    return lines
+
+
+def kv_lines(summary: dict) -> list[str]:
+    """How full the batch and the KV pool ran, and what preemption cost (where the engine says)."""
+    lines, batch, kv = [], summary.get("step_batch"), summary.get("kv") or {}
+    if isinstance(batch, dict):
+        lines.append(f"Requests per step mean/peak: {float(batch['mean']):.2f}/{int(batch['peak'])}")
+    if "kv_usage_mean" in kv:
+        lines.append(f"KV pool in use mean/peak: {100 * float(kv['kv_usage_mean']):.1f}%/"
+                     f"{100 * float(kv['kv_usage_peak']):.1f}%")
+    if "num_preemptions" in kv:
+        lines.append(f"Preemptions: {int(kv['num_preemptions'])} (recomputed tokens: {int(kv['recomputed_tokens'])})")
     return lines
 
 
@@ -105,6 +118,9 @@ COMPARISON_ROWS: list[tuple[str, str, Callable[[dict], float | None], bool, floa
     ("latency_p99", "Latency p99 (ms)", _get("latency_ms", "p99"), False, 1.0),
     ("wall_s", "Wall (s)", _get("wall_s"), False, 1.0),
     ("peak_kv_bytes", "Peak KV (MiB)", _get("kv", "peak_kv_bytes"), False, 1.0 / 2**20),
+    ("step_batch_mean", "Requests per step (mean)", _get("step_batch", "mean"), True, 1.0),
+    ("kv_usage_mean", "KV pool in use (mean %)", _get("kv", "kv_usage_mean"), True, 100.0),
+    ("preemptions", "Preemptions", _get("kv", "num_preemptions"), False, 1.0),
 ]
 
 

@@ -10,6 +10,9 @@ Each workload isolates one effect from the posts:
 - `long_every` (post 002): one request in `long_every` wants many more tokens than the rest --
   the case where static batching idles and continuous batching wins;
 - `shared_prefix_len` / `repeat_prompts`: material for prefix caching;
+- `chat_prompts` (stage 13): a different short question per request, in the model's chat
+  template: an instruct model answers each in its own length and stops at EOS, so requests
+  that may ask for hundreds of tokens end after tens (the waste a worst-case KV booking pays);
 - `long_prompts` (stage 11): K prompts of `long_prompt_len` random token ids that arrive late,
   one every `long_prompt_interval_ms`, while the ordinary requests decode. Their planned arrival
   is on the request (`Request.submit_offset_s`); the streaming runners honour it.
@@ -25,7 +28,13 @@ import math
 import random
 
 from common.requests import Request, SamplingParams
-from common.tokenizer import encode
+from common.tokenizer import chat_prompt, encode
+
+# The questions of `chat_prompts`: topic x ask, so that every request of a burst of up to 64 differs.
+CHAT_TOPICS = ("photosynthesis", "the moon's phases", "a hash table", "inflation", "volcanoes", "the immune system",
+               "binary search", "the French Revolution", "rainbows", "a CPU cache", "compound interest",
+               "plate tectonics", "vaccines", "the printing press", "black holes", "recursion")
+CHAT_ASKS = ("What is {}?", "Explain {} to a child.", "Give two facts about {}.", "Why does {} matter?")
 
 
 def ordinary_token_range(tokenizer) -> tuple[int, int, frozenset[int]]:
@@ -79,6 +88,7 @@ def build_workload(
     long_prompts: int | None = None,
     long_prompt_len: int = 2000,
     long_prompt_interval_ms: float = 2000.0,
+    chat_prompts: bool = False,
 ) -> list[Request]:
     """Build `num_requests` greedy requests (see the module docstring for each knob), then
     `long_prompts` late ones: request num_requests + k (k = 0..K-1) is `long_prompt_len` random
@@ -127,6 +137,10 @@ def build_workload(
             tail = random_token_ids(rng, max(1, length - len(prefix_ids)), lo, hi, special)
             ids: list[int] | None = prefix_ids + tail
             text = tokenizer.decode(ids)
+        elif chat_prompts:
+            question = CHAT_ASKS[j // len(CHAT_TOPICS) % len(CHAT_ASKS)].format(CHAT_TOPICS[j % len(CHAT_TOPICS)])
+            text = chat_prompt(tokenizer, question + (f" (#{j})" if j >= len(CHAT_TOPICS) * len(CHAT_ASKS) else ""))
+            ids = encode(tokenizer, text) if pretok else None
         else:
             text = f"{prompt} #{j}" if unique_prompts else prompt
             if prefix_ids:

@@ -128,6 +128,15 @@ class ServeMetrics:
                    [("", engine["prefix_cache_hit_tokens"])])
             metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
                    [("", engine["prefix_cache_query_tokens"])])
+        if "num_preemptions" in engine:  # stages 13+: KV blocks on demand, preemption by recompute
+            metric("num_preemptions_total", "counter", "Requests preempted when the KV pool ran dry.",
+                   [("", engine["num_preemptions"])])
+            metric("recomputed_tokens_total", "counter", "Tokens prefilled again after a preemption.",
+                   [("", engine["recomputed_tokens"])])
+            metric("kv_cache_usage_mean_perc", "gauge", "Mean fraction of KV-cache blocks in use over the "
+                   "engine's steps so far (1 = 100%).", [("", engine["kv_usage_mean"])])
+            metric("kv_cache_usage_peak_perc", "gauge", "Largest fraction of KV-cache blocks in use at once.",
+                   [("", engine["kv_usage_peak"])])
         metric("prompt_tokens_total", "counter", "Prompt tokens of the requests that finished "
                "(an aborted one's prompt length never reaches the server).", [("", self.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated for the requests that ended, "
