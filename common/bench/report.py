@@ -77,8 +77,10 @@ def kv_lines(summary: dict) -> list[str]:
     if isinstance(batch, dict):
         lines.append(f"Requests per step mean/peak: {float(batch['mean']):.2f}/{int(batch['peak'])}")
     if "kv_usage_mean" in kv:
+        waiting = kv.get("kv_usage_mean_while_waiting")
         lines.append(f"KV pool in use mean/peak: {100 * float(kv['kv_usage_mean']):.1f}%/"
-                     f"{100 * float(kv['kv_usage_peak']):.1f}%")
+                     f"{100 * float(kv['kv_usage_peak']):.1f}%" +
+                     ("" if waiting is None else f" (mean {100 * float(waiting):.1f}% while requests waited)"))
     if "num_preemptions" in kv:
         lines.append(f"Preemptions: {int(kv['num_preemptions'])} (recomputed tokens: {int(kv['recomputed_tokens'])})")
     return lines

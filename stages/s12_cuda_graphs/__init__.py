@@ -22,7 +22,7 @@ CHANGES: list[str] = ["__init__.py", "cuda_graphs.py", "engine.py", "kv_cache.py
 
 # Default workload of this stage's benchmark (flags override): 64 short prompts at once, 128 new
 # tokens each, one decode batch of 64: a run that is decode steps, where a graph replaces the
-# launches (on a GPU; on a CPU both stages run the same kernels). `make bench` runs post 052's
+# launches (on a GPU; on a CPU stage 12 does stage 11's work, and its padding). `make bench` runs post 052's
 # workload on the newest stage instead.
 BENCH: dict = {
     "mode": "streaming",

@@ -55,6 +55,17 @@ def width_buckets(max_blocks: int) -> list[int]:
     return widths + [max_blocks]
 
 
+_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for every capture in this process: a library's per-stream
+    workspace (cuBLAS') is then made once, not once per engine."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
 def bucket(n: int, sizes: list[int]) -> int | None:
     """The smallest size >= n, or None when n is above them all (the step then runs eagerly)."""
     return next((s for s in sizes if s >= n), None)
@@ -68,7 +79,8 @@ class DecodeGraphs:
         self.engine = engine
         pool, device = engine.pool, engine.device
         self.batch_sizes = batch_buckets(max_batch_size)
-        self.widths = width_buckets(pool.tables.table.shape[1])
+        # No sequence can hold more blocks than the pool has, nor more than the context window.
+        self.widths = width_buckets(min(pool.tables.table.shape[1], pool.allocator.num_blocks))
         G, W = self.batch_sizes[-1], self.widths[-1]
         self.ids = torch.zeros((1, G), dtype=torch.long, device=device)  # [1, G]: one packed row, as stage 11
         self.positions = torch.zeros((1, G), dtype=torch.long, device=device)  # [1, G]
@@ -80,6 +92,7 @@ class DecodeGraphs:
         self.logits = torch.empty((G, vocab), dtype=engine.loaded.dtype, device=device)  # [G, V]: every graph's output
         self._pad(0, G)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._kept: list[torch.Tensor] = []  # buffers the graphs use that their owner may replace (see capture)
         self.capture_s = 0.0
         self.pool_bytes = 0
         if device.type == "cuda":
@@ -88,7 +101,7 @@ class DecodeGraphs:
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end) become padding: one token of the scratch block, never a live one."""
         pad = self.engine.pool.pad_block
-        self.ids[0, start:end] = self.engine.pad_token_id
+        self.ids[0, start:end] = 0  # any token the embedding has: its row's output is thrown away
         self.positions[0, start:end] = 0
         self.slots[start:end] = pad * self.engine.pool.block_size
         self.blocks[start:end] = pad
@@ -106,21 +119,31 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """One graph per (batch, width), largest first, all in one memory pool (the first, largest,
-        sizes what the others reuse). Each is run once eagerly first, as nano-vllm and vLLM do, so
-        lazy set-up (a library's workspace, the gather buffer growing) is not captured."""
+        sizes what the others reuse). Each is run once eagerly first, on the stream it is then
+        captured on (PyTorch's advice), so lazy set-up (a library's workspace for that stream,
+        the gather buffer growing) is not captured."""
         torch.cuda.synchronize()
-        t0, before = time.perf_counter(), torch.cuda.memory_allocated()
+        t0, before = time.perf_counter(), torch.cuda.memory_reserved()
         mempool = torch.cuda.graph_pool_handle()
+        stream = capture_stream(self.engine.device)
+        stream.wait_stream(torch.cuda.current_stream())
         for G in reversed(self.batch_sizes):
             for W in reversed(self.widths):
-                self.forward(G, W)
+                with torch.cuda.stream(stream):
+                    self.forward(G, W)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
                     self.forward(G, W)
                 self.graphs[(G, W)] = graph
+                # The graph reads and writes the pool's gather buffer where it lay at capture. An
+                # eager step that needs a bigger one replaces it (KVBlockPool.gather_blocks): the
+                # old one must outlive the graphs, or a replay would write into freed memory.
+                if not any(t is self.engine.pool._scratch for t in self._kept):
+                    self._kept.append(self.engine.pool._scratch)
+        torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
-        self.pool_bytes = torch.cuda.memory_allocated() - before
+        self.pool_bytes = torch.cuda.memory_reserved() - before  # the graphs' pool and what their warm-ups grew
 
     def fits(self, batch: int) -> bool:
         """Whether a decode step of this many sessions has a bucket (every width has one: the
@@ -149,3 +172,4 @@ class DecodeGraphs:
     def close(self) -> None:
         """Free the graphs and their memory pool (the buffers go with this object)."""
         self.graphs.clear()
+        self._kept.clear()

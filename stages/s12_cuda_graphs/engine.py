@@ -308,8 +308,9 @@ class InferenceEngine:
         The chunks' blocks and `slots` ([sum n]) are taken already."""
         B = len(decode)
         ids: list[int] = [s.generated[-1] for s in decode]
-        if decode and not chunks and self.graphs is not None and self.graphs.fits(B):
-            return self.graphs.run(ids, *self._decode_inputs(decode))  # [B, V]: decode only, a replay
+        graphs = self.graphs  # read once: close() may drop them (it belongs after the manager's close)
+        if decode and not chunks and graphs is not None and graphs.fits(B):
+            return graphs.run(ids, *self._decode_inputs(decode))  # [B, V]: decode only, a replay
         positions: list[int] = []  # the prompt tokens'; the decode rows' come from the device mirror
         decode_positions, decode_attention = self._decode_attention(decode) if decode else (None, None)
         prefill_attention, rows = None, list(range(B))

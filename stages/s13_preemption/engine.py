@@ -52,6 +52,8 @@ class InferenceSession:
     prefill_target: int = 0  # tokens to prefill before sampling: the prompt, or prompt + generated after a preemption
     preempted: bool = False  # waiting to be readmitted, holding no block
     preemptions: int = 0
+    computed: int = 0  # the most tokens it ever had cached: below that, a prefill computes them again
+    prompt_counted: bool = False  # its prompt is in the prefix cache's statistics (once, however often it comes back)
     block_keys: list[BlockKey] = field(default_factory=list)  # chained keys of the prompt's full blocks
     reused_blocks: int = 0  # prompt blocks taken from the prefix cache instead of computed
     timings: dict[str, float] = field(default_factory=dict)  # submitted, scheduled (perf_counter)
@@ -179,6 +181,7 @@ class InferenceEngine:
         self.num_preemptions = 0  # sessions preempted, and the tokens their readmissions computed again
         self.recomputed_tokens = 0
         self._steps, self._usage_sum, self._batch_sum, self._batch_peak = 0, 0.0, 0, 0
+        self._waiting_steps, self._waiting_usage_sum = 0, 0.0
         # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
         self.graphs = None if enforce_eager else DecodeGraphs(self, capture_size)
 
@@ -225,6 +228,9 @@ class InferenceEngine:
             "recomputed_tokens": self.recomputed_tokens,
             "kv_usage_mean": self._usage_sum / self._steps if self._steps else 0.0,
             "kv_usage_peak": self._peak_blocks / self.pool.allocator.num_blocks,
+            "kv_usage_mean_while_waiting": (self._waiting_usage_sum / self._waiting_steps
+                                            if self._waiting_steps else None),
+            "steps_while_waiting": self._waiting_steps,
             "running_mean": self._batch_sum / self._steps if self._steps else 0.0,
             "running_peak": self._batch_peak,
             "cudagraphs": len(self.graphs.graphs) if self.graphs is not None else 0,
@@ -245,19 +251,25 @@ class InferenceEngine:
         waiting = deque(range(len(sessions)))
         index_of: dict[int, int] = {}
         completions: list[Completion | None] = [None] * len(sessions)
-        while waiting or scheduler.has_unfinished():
-            # Admit while a decode slot and the request's KV blocks are free: it joins the next step.
-            while waiting and scheduler.num_unfinished < self.max_batch_size:
-                try:
-                    rid = scheduler.add_session(sessions[waiting[0]], submitted=submitted)
-                except OutOfKVBlocks:
-                    break  # waits until a running request finishes and frees blocks
-                index_of[rid] = waiting.popleft()
-            scheduler.step()
-            for error in scheduler.pop_failed().values():
-                raise error  # a request that outgrew the whole pool: it could never finish
-            for rid in scheduler.pop_finished_ids():
-                completions[index_of[rid]] = scheduler.pop_completion(rid)
+        try:
+            while waiting or scheduler.has_unfinished():
+                # Admit while a decode slot and the request's KV blocks are free: it joins the next step.
+                while waiting and scheduler.num_unfinished < self.max_batch_size:
+                    try:
+                        rid = scheduler.add_session(sessions[waiting[0]], submitted=submitted)
+                    except OutOfKVBlocks:
+                        if not scheduler.has_unfinished():  # nothing holds a block, and it still does not fit
+                            raise
+                        break  # waits until a running request finishes and frees blocks
+                    index_of[rid] = waiting.popleft()
+                scheduler.step()
+                for error in scheduler.pop_failed().values():
+                    raise error  # a request that outgrew the whole pool: it could never finish
+                for rid in scheduler.pop_finished_ids():
+                    completions[index_of[rid]] = scheduler.pop_completion(rid)
+        finally:  # on an error, the others' blocks go back too: the engine serves the next call whole
+            for rid in scheduler.request_ids():
+                scheduler.discard_request(rid)
         return completions  # type: ignore[return-value]
 
     def new_session(self, request: Request, prompt: PreparedPrompt) -> InferenceSession:
@@ -309,14 +321,15 @@ class InferenceEngine:
         full = session.num_cached // bs * bs
         known = session.tokens[:full]
         self.prefix_cache.insert(known, block_keys(known, bs), session.block_table)
+        session.computed = max(session.computed, session.num_cached)
         session.release_kv_blocks()
         session.prefill_target = len(session.tokens)  # prompt + generated, then sample the next token
         session.preempted = True
         session.preemptions += 1
         self.num_preemptions += 1
 
-    def step_sessions(self, decode: list[InferenceSession],
-                      prefilling: list[InferenceSession]) -> tuple[torch.Tensor, list[InferenceSession]]:
+    def step_sessions(self, decode: list[InferenceSession], prefilling: list[InferenceSession],
+                      waiting: bool = False) -> tuple[torch.Tensor, list[InferenceSession]]:
         """One forward for one scheduler step; returns logits [B + M, V] and the M sessions whose prompt it finished.
 
         The budget (`max_num_batched_tokens`) pays for one token per decode session first, then
@@ -342,8 +355,7 @@ class InferenceEngine:
             start = s.num_cached
             n = min(s.prefill_target - start, budget)
             budget -= n
-            if s.preemptions:
-                self.recomputed_tokens += n
+            self.recomputed_tokens += max(0, min(start + n, s.computed) - start)  # computed before a preemption
             slots.append(s.take_slots(n))
             chunks.append((s, start))
             for i in range(start // bs, (start + n) // bs):  # the full blocks this chunk completes
@@ -353,17 +365,23 @@ class InferenceEngine:
         for s, _ in chunks:  # only now: their K/V exist (a failed forward leaves nothing cached)
             self.prefix_cache.insert(s.prefill_ids, s.block_keys[: s.num_cached // bs], s.block_table)
         for s in done:
-            if not s.preemptions:  # a prompt's statistics, once
+            s.pool.allocator.unreserve(s.reserved)  # its prefill is done: cached blocks others held left some booked
+            s.reserved = 0
+            if not s.prompt_counted:  # a prompt's statistics, once
+                s.prompt_counted = True
                 self.prefix_cache.count(len(s.prompt_ids), s.reused_blocks)
-        self._record_step(len(decode) + len(chunks))
+        self._record_step(len(decode) + len(chunks), waiting)
         return logits, done
 
-    def _record_step(self, running: int) -> None:
-        """What the pool and the batch held this step, for kv_stats' means and peaks."""
+    def _record_step(self, running: int, waiting: bool) -> None:
+        """What the pool and the batch held this step, for kv_stats' means and peaks; `waiting`:
+        a request was kept out for want of blocks (the steps where a full pool is the point)."""
         alloc = self.pool.allocator
         in_use = alloc.num_blocks - alloc.num_free
         self._steps += 1
         self._usage_sum += in_use / alloc.num_blocks
+        self._waiting_steps += waiting
+        self._waiting_usage_sum += waiting * in_use / alloc.num_blocks
         self._batch_sum += running
         self._batch_peak = max(self._batch_peak, running)
         self._peak_blocks = max(self._peak_blocks, in_use)
@@ -374,8 +392,9 @@ class InferenceEngine:
         The chunks' blocks and `slots` ([sum n]) are taken already."""
         B = len(decode)
         ids: list[int] = [s.generated[-1] for s in decode]
-        if decode and not chunks and self.graphs is not None and self.graphs.fits(B):
-            return self.graphs.run(ids, *self._decode_inputs(decode))  # [B, V]: decode only, a replay
+        graphs = self.graphs  # read once: close() may drop them (it belongs after the manager's close)
+        if decode and not chunks and graphs is not None and graphs.fits(B):
+            return graphs.run(ids, *self._decode_inputs(decode))  # [B, V]: decode only, a replay
         positions: list[int] = []  # the prompt tokens'; the decode rows' come from the device mirror
         decode_positions, decode_attention = self._decode_attention(decode) if decode else (None, None)
         prefill_attention, rows = None, list(range(B))

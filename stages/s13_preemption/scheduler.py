@@ -51,6 +51,7 @@ class OnlineScheduler:
         self._round_robin_pos = 0
         self._finished_ids: list[int] = []
         self._preempted: list[int] = []  # waiting to be readmitted, the most recently preempted first
+        self._refused = False  # a request was kept out for want of blocks since the last step
         self._failed: dict[int, BaseException] = {}  # ended with an error since the last pop_failed()
 
     @torch.inference_mode()
@@ -97,7 +98,11 @@ class OnlineScheduler:
             raise OutOfKVBlocks("preempted requests are readmitted first")
         if running >= self.max_batch_size:
             raise OutOfKVBlocks(f"{running} requests admitted already, max_batch_size is {self.max_batch_size}")
-        self.engine.reserve(session, headroom=running)
+        try:
+            self.engine.reserve(session, headroom=running)
+        except OutOfKVBlocks:
+            self._refused = True
+            raise
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._sessions
@@ -174,7 +179,8 @@ class OnlineScheduler:
         if not selected and not prefilling:
             return {}
 
-        logits, done = self.engine.step_sessions([s for _, s in selected], [s for _, s in prefilling])
+        waiting, self._refused = bool(self._preempted) or self._refused, False
+        logits, done = self.engine.step_sessions([s for _, s in selected], [s for _, s in prefilling], waiting)
         finished_prompts = {id(s) for s in done}
         selected += [(rid, s) for rid, s in prefilling if id(s) in finished_prompts]  # the order of logits' rows
         self.engine.sample_and_record([s for _, s in selected], logits)
@@ -192,8 +198,9 @@ class OnlineScheduler:
     def _make_room(self, selected: list[tuple[int, "InferenceSession"]]) -> list[tuple[int, "InferenceSession"]]:
         """Preempt until every selected decode session that starts a block this step can take one.
 
-        The victim is the most recently admitted running session (dict order is admission order;
-        a readmitted session moves to the end), selected or not: the oldest requests keep going.
+        The victim is the most recently admitted running session, selected or not (dict order is
+        admission order, and a readmitted session counts as admitted again, as in vLLM: it is the
+        first victim of the next shortage), so the requests that came first keep going.
         One that would have to preempt itself, alone in a dry pool, has outgrown the whole pool:
         it ends with an error (it could never finish), not in a wait that never ends."""
         alloc = self.engine.pool.allocator
@@ -214,7 +221,8 @@ class OnlineScheduler:
     def _readmit(self) -> None:
         """Preempted sessions come back first, the most recently preempted first (vLLM puts it at
         the head of its waiting queue), as soon as their blocks are free: each one's prefill is
-        booked like a new prompt's (what the prefix cache still holds is taken back, not computed)."""
+        booked like a new prompt's (what the prefix cache still holds is taken back, not computed).
+        Head of the line: until it fits, nobody behind it (preempted or new) comes in."""
         while self._preempted:
             rid = self._preempted[0]
             session = self._sessions[rid]

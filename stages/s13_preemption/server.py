@@ -252,6 +252,10 @@ class SchedulerManager:
                 self._fail(rid, exc)
             return
         for rid, error in self.scheduler.pop_failed().items():  # outgrew the whole pool: its stream ends with the error
+            with self._lock:
+                q, state = self._queues.get(rid), self._stream_states.get(rid)
+            if q is not None and state is not None and state.token_ids:  # its tokens so far first, none lost
+                q.put(StreamChunk(state.text, state.token_ids))
             self._fail(rid, error)
         finished_ids = self.scheduler.pop_finished_ids()
         with self._lock:

@@ -127,15 +127,16 @@ def test_a_readmission_takes_back_what_the_prefix_cache_still_holds(tiny, hf_gre
     for _ in range(7):
         sched.step()  # prefill + 6 decode steps: 16 tokens cached, 4 full blocks
     session = sched.session(rid)
-    cached_before = session.num_cached
+    assert session.num_cached == 16 and session.reused_blocks == 0
     hits_before = engine.prefix_cache.hit_tokens
     engine.preempt(session)
     sched._preempted.insert(0, rid)
     while sched.has_unfinished():
         sched.step()
     assert sched.pop_completion(rid).token_ids == hf_greedy(prompt, 12)
-    # the recompute computed only what was past the last full block: everything else came back from the cache
-    assert engine.recomputed_tokens == session.prefill_target - (cached_before // BS) * BS
+    # its 4 full blocks came back from the cache: nothing it had computed was computed again (the
+    # 17th token, the last generated, never had K/V: the readmission computes it for the first time)
+    assert session.reused_blocks == 4 and engine.recomputed_tokens == 0
     assert engine.prefix_cache.hit_tokens == hits_before  # statistics count a prompt once, not its readmissions
     _all_free(engine)
 
@@ -174,17 +175,22 @@ def test_randomized_submit_and_cancel_under_a_tiny_pool(tiny, hf_greedy) -> None
     _all_free(engine)
 
 
-def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny) -> None:
+def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny, hf_greedy) -> None:
     engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=4)
     with pytest.raises(ValueError, match="prompt needs 5 KV blocks"):
         _run(engine, [_ids(16, seed=1)], [4])  # 16 + 1 tokens: 5 blocks of 4
     with pytest.raises(ValueError, match="past the whole pool"):
-        _run(engine, [_ids(3, seed=2)], [40])  # fits at first, then grows past 16 tokens alone
-    _all_free(engine)
-    with s13.SchedulerManager(engine, max_batch_size=2) as mgr:
-        grows = mgr.add_request(prompt_token_ids=_ids(3, seed=3), max_new_tokens=40, stop_on_eos=False)
+        _run(engine, [_ids(3, seed=2), _ids(2, seed=5)], [40, 3])  # the first outgrows 16 tokens alone
+    _all_free(engine)  # the other request's blocks went back too: the engine serves the next call whole
+    assert _run(engine, [_ids(2, seed=5)], [3]) == [hf_greedy(_ids(2, seed=5), 3)]
+    with s13.SchedulerManager(engine, max_batch_size=2, stream_interval=4) as mgr:
+        prompt = _ids(3, seed=3)
+        grows = mgr.add_request(prompt_token_ids=prompt, max_new_tokens=40, stop_on_eos=False)
+        streamed = []
         with pytest.raises(ValueError, match="past the whole pool"):
-            grows.result(timeout=60)
+            for chunk in grows:
+                streamed += chunk.token_ids
+        assert streamed == hf_greedy(prompt, 14)  # every token it made (16 - 3 cached, +1) before the pool ran out, none held back
         fine = mgr.add_request(prompt_token_ids=_ids(3, seed=4), max_new_tokens=5, stop_on_eos=False)
         assert len(fine.result(timeout=60).token_ids) == 5  # the worker goes on
     _all_free(engine)
