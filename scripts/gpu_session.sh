@@ -71,8 +71,9 @@ G2=gpt2-random
 # ladder's entries keep each engine's kv_stats: graphs, capture time, pool bytes), fp32 tokens
 # against transformers, a decode profile (kernel time against the step), post 052's shape, and
 # the 32x16 random-lengths ladder with transformers.
-step tests-s12 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
-    stages/s12_cuda_graphs/test_stage.py tests/test_cuda.py -k "s12 or s11 or stage12 or profiles"
+step tests-s12-s13 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+    stages/s12_cuda_graphs/test_stage.py stages/s13_preemption/test_stage.py tests/test_cuda.py \
+    -k "s11 or s12 or s13 or stage12 or profiles or preempt or pool or admission or stream or cancel"
 for b in 64 16 1; do
     step ladder-decode-step-b$b-s11-s12-$G2 - 90 $PY -m common.cli ladder --workload decode-step --stages 11,12 --no-hf \
         --num-requests $b --max-batch-size $b --model $G2 --device $DEVICE --rounds 1 --repeat-runs 2 \
@@ -89,6 +90,9 @@ step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --wo
     --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
 step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
     --json $RESULTS/s12_cuda_graphs.$DEVICE.json
+# Stage 13 (preemption) on its own workload: 64 chat questions, a KV pool for 8 at their worst.
+step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
+    --json $RESULTS/s13_preemption.$DEVICE.json
 
 # What ran on the H200 at e5514d9 (docs/results/cuda/) comes last here, to be measured
 # again at the newest commit; what never ran comes first.
