@@ -106,3 +106,28 @@ def test_prefix_cache_counters_are_the_engines(loaded) -> None:
         assert m["stagewise:prefix_cache_queries_total"] == stats["prefix_cache_query_tokens"] == 80
     finally:
         server.stop()
+
+
+def test_preemption_counters_are_the_engines(loaded) -> None:
+    """Stage 13: a KV pool too small for the burst makes the engine preempt; /metrics says how
+    often, how many tokens it computed again, and how full the pool ran (vLLM's names)."""
+    from common import stages as registry
+    from common.serve.app import ServeState
+    from tests.live_server import ServerThread
+
+    stage = registry.load_stage(13)
+    engine = stage.InferenceEngine(loaded, max_batch_size=4, block_size=4, num_kv_blocks=16)
+    server = ServerThread(ServeState(stage.SchedulerManager(engine, max_batch_size=4), "tiny", "s13"))
+    try:
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: server.client.completions.create(
+                model="tiny", prompt=list(range(1000 + 7 * i, 1005 + 7 * i)), max_tokens=20, temperature=0,
+                extra_body={"ignore_eos": True}), range(4)))
+        m, stats = scrape(server.url), engine.kv_stats()
+        assert m["stagewise:num_preemptions_total"] == stats["num_preemptions"] > 0
+        assert m["stagewise:recomputed_tokens_total"] == stats["recomputed_tokens"]
+        assert m["stagewise:kv_cache_usage_peak_perc"] == stats["kv_usage_peak"] == 1.0
+        assert 0 < m["stagewise:kv_cache_usage_mean_perc"] == stats["kv_usage_mean"] <= 1
+    finally:
+        server.stop()
