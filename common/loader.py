@@ -51,7 +51,7 @@ _DTYPES = {
 class LoadedModel:
     name: str  # "smollm2-135m", "tiny", "gpt2-random" or the path
     path: Path  # the Hugging Face-format directory the weights came from
-    model: DecoderModel  # eval(), on device, dtype
+    model: DecoderModel | None  # eval(), on device, dtype (None: loaded with weights=False)
     tokenizer: PreTrainedTokenizerBase
     config: ModelConfig
     device: torch.device
@@ -94,9 +94,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_model(
-    name_or_path: str = "smollm2-135m", device: str = "auto", dtype: str | torch.dtype | None = None
+    name_or_path: str = "smollm2-135m", device: str = "auto", dtype: str | torch.dtype | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
-    """Resolve a model name or HF-format directory, build it in the cache if needed, and load it."""
+    """Resolve a model name or HF-format directory, build it in the cache if needed, and load it.
+    `weights=False` loads the config and tokenizer only (`model` is None): a tensor-parallel rank
+    reads its own share of the weights from `path` (stage 14)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = model_dir(name_or_path)
@@ -104,10 +107,10 @@ def load_model(
 
     with offline():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = DecoderModel.from_pretrained(path, device=dev, dtype=dt)
+        model = DecoderModel.from_pretrained(path, device=dev, dtype=dt) if weights else None
     return LoadedModel(
         name=str(name_or_path), path=path, model=model, tokenizer=tokenizer,
-        config=model.config, device=dev, dtype=dt,
+        config=model.config if model is not None else ModelConfig.from_pretrained(path), device=dev, dtype=dt,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -164,9 +165,10 @@ class GPT2Block(nn.Module, Projections):
         hidden, inner = config.hidden_size, config.intermediate_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.ln_1 = nn.LayerNorm(hidden, eps=config.norm_eps)
-        self.attn_weight = nn.Parameter(torch.empty(3 * hidden, hidden))  # c_attn, transposed
-        self.attn_bias = nn.Parameter(torch.empty(3 * hidden))
-        self.attn_proj_weight = nn.Parameter(torch.empty(hidden, hidden))
+        heads = config.num_heads * config.head_dim  # = hidden (a tensor-parallel rank's share: hidden / N)
+        self.attn_weight = nn.Parameter(torch.empty(3 * heads, hidden))  # c_attn, transposed
+        self.attn_bias = nn.Parameter(torch.empty(3 * heads))
+        self.attn_proj_weight = nn.Parameter(torch.empty(hidden, heads))
         self.attn_proj_bias = nn.Parameter(torch.empty(hidden))
         self.ln_2 = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.fc_weight = nn.Parameter(torch.empty(inner, hidden))
@@ -176,12 +178,12 @@ class GPT2Block(nn.Module, Projections):
         self.packed = {}
 
     def forward(self, x: Tensor, attention: Attention) -> Tensor:
-        B, T, E = x.shape
-        H, D = self.num_heads, self.head_dim
-        q, k, v = self.project("attn", self.ln_1(x)).split(E, dim=-1)
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim  # H * D = E, or E / N for one of N tensor-parallel ranks
+        q, k, v = self.project("attn", self.ln_1(x)).split(H * D, dim=-1)
         q, k, v = (t.view(B, T, H, D) for t in (q, k, v))  # [B, T, H, D]: views (see Attention)
         out = attention(self.layer_idx, q, k, v)  # [B, T, H, D]
-        x = x + self.project("attn_proj", out.reshape(B, T, E))
+        x = x + self.project("attn_proj", out.reshape(B, T, H * D))
         h = F.gelu(self.project("fc", self.ln_2(x)), approximate="tanh")
         return x + self.project("mlp_proj", h)  # [B, T, E]
 
@@ -265,8 +267,16 @@ class DecoderModel(nn.Module):
     ) -> "DecoderModel":
         """Load an HF-format directory (config.json + *.safetensors, sharded or not)."""
         path = Path(path)
-        config = ModelConfig.from_pretrained(path)
-        hf_state = read_safetensors(path)
+        return cls.from_hf_state(ModelConfig.from_pretrained(path), read_safetensors(path), device, dtype)
+
+    @classmethod
+    def from_hf_state(
+        cls, config: ModelConfig, hf_state: Mapping[str, Tensor], device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "DecoderModel":
+        """Build the model from tensors by their Hugging Face names: a checkpoint's, or one
+        tensor-parallel rank's share of them (stage 14), each read when it is taken, with the
+        shapes of that share in `config`."""
         convert = _gpt2_state_dict if config.arch == "gpt2" else _llama_state_dict
         state = {k: v.to(device=device, dtype=dtype) for k, v in convert(hf_state, config).items()}
         with torch.device("meta"):
@@ -277,19 +287,22 @@ class DecoderModel(nn.Module):
         return model.eval().requires_grad_(False).pack_weights()
 
 
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """All tensors of `path/model.safetensors` or of the shards named in its index."""
-    from safetensors.torch import load_file
-
+def safetensors_files(path: Path) -> list[str]:
+    """The checkpoint's files in `path`: `model.safetensors`, or the shards named in its index."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"model: no model.safetensors (or index) in {path}")
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (path / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise ValueError(f"model: no model.safetensors (or index) in {path}")
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """All tensors of the checkpoint in `path`."""
+    from safetensors.torch import load_file
+
     state: dict[str, Tensor] = {}
-    for name in files:
+    for name in safetensors_files(path):
         state.update(load_file(path / name))
     return state
 
@@ -299,18 +312,19 @@ class _Taker:
 
     IGNORED = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
-    def __init__(self, state: dict[str, Tensor], prefix: str) -> None:
-        self.state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+    def __init__(self, state: Mapping[str, Tensor], prefix: str) -> None:
+        self.state = state  # read by name only: a lazy mapping reads just the tensors taken
+        self.names = {(k[len(prefix):] if k.startswith(prefix) else k): k for k in state}
 
     def __call__(self, name: str) -> Tensor:
-        if name not in self.state:
+        if name not in self.names:
             raise ValueError(f"model: checkpoint is missing weight {name!r}")
-        return self.state.pop(name)
+        return self.state[self.names.pop(name)]
 
     def finish(self, config: ModelConfig) -> None:
         if config.tie_word_embeddings:  # some tied checkpoints still store a copy
-            self.state.pop("lm_head.weight", None)
-        left = [k for k in self.state if not k.endswith(self.IGNORED)]
+            self.names.pop("lm_head.weight", None)
+        left = [k for k in self.names if not k.endswith(self.IGNORED)]
         if left:
             raise ValueError(f"model: checkpoint has weights this model does not use: {left[:5]}")
 

@@ -24,6 +24,7 @@ STAGES: dict[int, str] = {
     11: "stages.s11_chunked_prefill",
     12: "stages.s12_cuda_graphs",
     13: "stages.s13_preemption",
+    14: "stages.s14_tensor_parallel",
 }
 
 

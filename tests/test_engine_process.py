@@ -163,3 +163,46 @@ def test_a_dead_engine_ends_its_requests_and_the_server_answers_503() -> None:
         assert err.value.status_code == 503
     finally:
         served.stop()
+
+
+def tp_ranks(manager) -> list[int]:
+    """The pids of a tensor-parallel engine's other ranks (asked of the engine's process)."""
+    return [p.pid for p in manager.engine.tp.workers]
+
+
+def test_serve_with_the_model_split_across_two_ranks() -> None:
+    """`stagewise serve --stage 14 --tensor-parallel-size 2`: the server, the engine's process
+    (rank 0, the scheduler) and one more rank it starts; streams give the one-process text, and
+    the server's shutdown ends the other rank too."""
+    served = Served("--stage", "14", "--tensor-parallel-size", "2")
+    try:
+        expected = in_process([{"prompt": p} for p in PROMPTS], 8)
+        ranks = served.engine.call(tp_ranks).result(timeout=30)
+        assert len(ranks) == 1
+
+        def stream(prompt: str) -> str:
+            chunks = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                     stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(stream, PROMPTS)) == expected
+        served.stop()
+        for pid in [served.engine.pid, *ranks]:
+            assert _wait(lambda: not _alive(pid), timeout=30), pid
+    finally:
+        if served.thread.is_alive():
+            served.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) has ended too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+    return True

@@ -73,19 +73,23 @@ def test_ops_of_known_names_and_times_give_the_groups_and_their_ms() -> None:
                     Row(key="aten::index_copy_", self_cpu_time_total=400.0, count=240),
                     Row(key="aten::rsqrt", self_cpu_time_total=600.0, count=244),
                     Row(key="aten::slice", self_cpu_time_total=200.0, count=500),
+                    Row(key="tensor_parallel::all_reduce", self_cpu_time_total=400.0, count=8),  # stage 14's span
                     Row(key="aten::empty", self_cpu_time_total=0.0, count=9)]  # no own time: not an op row
 
     ops = profile_decode.op_table(Prof(), steps=4)
     assert [(r["op"], r["group"]) for r in ops] == [
         ("mkldnn::_linear_pointwise", "matmul"), ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
         ("aten::index_select", "kv_cache"), ("aten::rsqrt", "other"), ("aten::addmm", "matmul"),
-        ("aten::index_copy_", "kv_cache"), ("aten::slice", "other")]  # largest first
+        ("aten::index_copy_", "kv_cache"), ("tensor_parallel::all_reduce", "communication"),
+        ("aten::slice", "other")]  # largest first
     fields = profile_decode.group_fields(ops)
-    assert fields["groups_ms_profiled"] == pytest.approx({"matmul": 2.1, "attention": 0.5, "kv_cache": 0.4, "other": 0.2})
-    assert fields["profiled_ms"] == pytest.approx(3.2)
-    assert fields["groups_share"] == pytest.approx({"matmul": 2.1 / 3.2, "attention": 0.5 / 3.2,
-                                                    "kv_cache": 0.4 / 3.2, "other": 0.2 / 3.2})
-    assert profile_decode.group_fields([])["groups_share"] == {g: 0.0 for g in ("matmul", "attention", "kv_cache", "other")}
+    assert fields["groups_ms_profiled"] == pytest.approx({"matmul": 2.1, "attention": 0.5, "kv_cache": 0.4,
+                                                          "communication": 0.1, "other": 0.2})
+    assert fields["profiled_ms"] == pytest.approx(3.3)
+    assert fields["groups_share"] == pytest.approx({"matmul": 2.1 / 3.3, "attention": 0.5 / 3.3, "kv_cache": 0.4 / 3.3,
+                                                    "communication": 0.1 / 3.3, "other": 0.2 / 3.3})
+    assert profile_decode.group_fields([])["groups_share"] == {
+        g: 0.0 for g in ("matmul", "attention", "kv_cache", "communication", "other")}
 
 
 def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:

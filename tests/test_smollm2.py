@@ -47,3 +47,18 @@ def test_smollm2_chat_greedy_text_matches_transformers(stage, smol, smol_referen
     engine = stage_module(stage).InferenceEngine(smol, max_batch_size=3)
     out = engine.generate([Request(prompt=t, params=SamplingParams(max_new_tokens=MAX_NEW)) for t in texts])
     assert [c.text for c in out] == expected
+
+
+def test_smollm2_split_across_three_ranks_matches_transformers(smol, smol_reference):
+    """Stage 14 at tensor_parallel_size 3 (SmolLM2: 9 heads, 3 KV heads), gloo between three
+    processes on this CPU: every rank a third of every layer, the same greedy text."""
+    from stages.s14_tensor_parallel import InferenceEngine
+
+    texts, expected = smol_reference
+    engine = InferenceEngine(smol, max_batch_size=3, tensor_parallel_size=3)
+    try:
+        out = engine.generate([Request(prompt=t, params=SamplingParams(max_new_tokens=MAX_NEW)) for t in texts])
+        assert [c.text for c in out] == expected
+        assert engine.model.layers[0].num_heads == 3 and engine.pool.k[0].shape[0] == 1
+    finally:
+        engine.close()

@@ -21,7 +21,7 @@ from common.bench.workloads import build_workload
 
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
                 "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens",
-                "max_cudagraph_capture_size")
+                "max_cudagraph_capture_size", "tensor_parallel_size")
 # Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
 # block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
 PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
@@ -89,6 +89,8 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="stage 12+: no CUDA graphs, every step eager (vLLM's flag)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="stage 12+: the largest decode batch captured as a CUDA graph (default: max batch size)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="stage 14: ranks the model is split across, started by the engine (default 1)")
 
 
 def add_streaming_args(p: argparse.ArgumentParser) -> None:

@@ -44,6 +44,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -63,6 +64,11 @@ GROUPS = {
                   "aten::_softmax", "aten::bmm", "aten::baddbmm"),
     "kv_cache": ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index_fill_",
                  "aten::gather", "aten::scatter_"),
+    # Tensor parallelism (stage 14): the collectives, with the time rank 0 waits in them for the others
+    # (each wrapped in a span of its own, whose self time is the wait: parallel.py)
+    "communication": ("tensor_parallel::all_reduce", "tensor_parallel::gather", "tensor_parallel::broadcast",
+                      "c10d::allreduce_", "c10d::gather_", "c10d::broadcast_",
+                      "nccl:all_reduce", "nccl:gather", "nccl:broadcast"),
 }
 
 
@@ -73,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--batch", type=int, default=16, help="requests in the batch (one decode row each)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="stage 14: ranks the model is split across (the profile is rank 0's)")
     p.add_argument("--prompt-len", type=int, default=160, help="random prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed and profiled (after 4 skipped)")
     p.add_argument("--seed", type=int, default=0)
@@ -143,10 +151,10 @@ def kernel_fields(ops: list[dict]) -> dict:
 def report_lines(r: dict, top: int, per: str) -> list[str]:
     """The groups, then the `top` ops, of a profile result (`per`: "step", "prefill", ...)."""
     kernels = "kernel_ms_per_step" in r  # a CUDA profile: every op row has its kernels' time too
-    lines = [f"  {g:10s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %" for g, ms in r["groups_ms_profiled"].items()]
-    lines.append(f"{'op':52s} {'group':10s} {'ms/' + per:>12s} {'calls/' + per:>13s}" + (f" {'kernel ms':>9s}" if kernels else ""))
+    lines = [f"  {g:13s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %" for g, ms in r["groups_ms_profiled"].items()]
+    lines.append(f"{'op':52s} {'group':13s} {'ms/' + per:>12s} {'calls/' + per:>13s}" + (f" {'kernel ms':>9s}" if kernels else ""))
     for row in r["ops"][:top]:
-        lines.append(f"{row['op'][:52]:52s} {row['group']:10s} {row['ms_per_step']:12.2f} {row['calls_per_step']:13.1f}"
+        lines.append(f"{row['op'][:52]:52s} {row['group']:13s} {row['ms_per_step']:12.2f} {row['calls_per_step']:13.1f}"
                      + (f" {row['kernel_ms_per_step']:9.2f}" if kernels else ""))
     return lines
 
@@ -158,10 +166,13 @@ class DecodeWindow:
 
     SKIP = 4  # the first decode steps of a batch: allocator and cache warm-up
 
-    def __init__(self, model: torch.nn.Module, steps: int, batch: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, steps: int, batch: int, device: torch.device,
+                 counts: Counter | None = None) -> None:
         self.steps, self.batch, self.device = steps, batch, device
         self.forward = model.forward
         self.starts: list[float] = []
+        self.counts = counts  # a tensor-parallel engine's running count of its collectives (stage 14)
+        self.window_counts: Counter = Counter()  # theirs over the window's steps
         self.prof: Any = None
         self.active = False  # only forwards inside run() count (the floors call the model too)
         model.forward = self  # instance attribute: nn.Module.__call__ finds it
@@ -177,12 +188,14 @@ class DecodeWindow:
                 self.prof.start()
             if self.prof is not None and n == self.SKIP + self.steps:
                 self.prof.stop()
+            if self.counts is not None and n in (self.SKIP, self.SKIP + self.steps):
+                self.window_counts = Counter(self.counts) - self.window_counts  # at the end: the window's
             self.starts.append(time.perf_counter())
         return self.forward(ids, *args, **kwargs)
 
     def run(self, engine: Any, requests: list, profiled: bool) -> list[float]:
         """One generate() of `requests`; the window's step times (ms)."""
-        self.starts = []
+        self.starts, self.window_counts = [], Counter()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.prof = profile(activities=activities) if profiled else None
         self.active = True
@@ -199,7 +212,8 @@ def measure(a: argparse.Namespace) -> dict:
     from common.requests import Request, SamplingParams
     from common.bench.workloads import model_token_range, random_token_ids
 
-    package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch})
+    package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch,
+                                               "tensor_parallel_size": a.tensor_parallel_size})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
     ids = [random_token_ids(rng, a.prompt_len, *model_token_range(vocab)) for _ in range(a.batch)]
@@ -210,10 +224,15 @@ def measure(a: argparse.Namespace) -> dict:
         new_tokens += -(-a.batch * a.prompt_len // int(budget)) + 1
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
-    window = DecodeWindow(loaded.model, a.steps, a.batch, loaded.device)
+    # The model the engine runs: the loaded one, or (tensor parallel) rank 0's share of it
+    tp = getattr(engine, "tp", None)
+    tp_size = tp.size if tp is not None else 1
+    window = DecodeWindow(getattr(engine, "model", loaded.model), a.steps, a.batch, loaded.device,
+                          tp.counts if tp_size > 1 else None)
     window.run(engine, requests, profiled=False)  # warm-up: every KV block touched once
     floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
     times = window.run(engine, requests, profiled=False)
+    collectives = {k: v / a.steps for k, v in sorted(window.window_counts.items())}  # per step, in the timed run
     floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
     free_ms = attention_free_ms(loaded.model, a.batch, min_time_s=0.3)  # same minutes as the floors
     window.run(engine, requests, profiled=True)
@@ -247,6 +266,7 @@ def measure(a: argparse.Namespace) -> dict:
         "kv_context_tokens": context, "kv_bytes_per_step": kv_bytes, "kv_read_floor_ms": kv_floor,
         "attention_vs_kv_read_floor": kv_ms / kv_floor if kv_floor else None,
         "attention_free_step_ms": free_ms,
+        "tensor_parallel_size": tp_size, "collectives_per_step": collectives,
         "x_floor_bound": (free_ms + kv_floor) / floor_ms if floor_ms else None,
         **kernel,
         "ops": ops[:max(a.top, 40)],
@@ -276,6 +296,14 @@ def format_profile(r: dict, top: int) -> str:
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "
                      + ", ".join(f"{g} {ms:.2f}" for g, ms in r["groups_kernel_ms"].items()))
+    if r.get("tensor_parallel_size", 1) > 1:  # stage 14: what the ranks exchange a step, and what it costs rank 0
+        c = r["collectives_per_step"]
+        lines.append(f"Communication, rank 0 of {r['tensor_parallel_size']}: a step runs "
+                     f"{c.get('all_reduce', 0):.0f} all-reduces ({c.get('all_reduce_bytes', 0) / 1024:.1f} KiB), "
+                     f"{c.get('gather', 0):.0f} gather of the logits ({c.get('gather_bytes', 0) / 1024:.1f} KiB) "
+                     f"and {c.get('broadcast', 0):.0f} broadcast of the step ({c.get('broadcast_bytes', 0) / 1024:.1f} KiB); "
+                     f"{r['groups_ms_profiled']['communication']:.2f} ms of the profiled step "
+                     f"({100 * r['groups_share']['communication']:.0f} %), waiting for the other ranks included")
     lines.append(f"Profiled step: {r['profiled_step_ms']:.2f} ms of ops per step, by group:")
     return "\n".join(lines + report_lines(r, top, "step"))
 

@@ -92,8 +92,11 @@ class EngineProcess:
         its message, as the in-process path would."""
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or torch state
         self._conn, child_conn = ctx.Pipe()
+        # Not a daemon: a daemon may not start processes, and a tensor-parallel engine (stage 14)
+        # starts its other ranks. It still ends with the server: the pipe's EOF stops its loop,
+        # and close() kills it if it is stuck.
         self._process = ctx.Process(target=_engine_main, args=(child_conn, serve_args),
-                                    name="stagewise-engine", daemon=True)
+                                    name="stagewise-engine", daemon=False)
         self._process.start()
         child_conn.close()  # ours is closed: the child's end alone keeps the pipe open, so its death is EOF
         if not self._conn.poll(start_timeout_s):
@@ -386,6 +389,9 @@ def _engine_main(conn: Any, serve_args: argparse.Namespace) -> None:
                 break
     finally:
         manager.close()  # every request still in flight ends...
+        close_engine = getattr(manager.engine, "close", None)
+        if close_engine is not None:
+            close_engine()  # stage 12+: its graphs; stage 14: its other ranks
         outbox.flush()  # ...and its end goes out before we say goodbye
         send(("closed",))
         conn.close()

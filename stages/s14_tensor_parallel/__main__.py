@@ -1,0 +1,54 @@
+"""Generate text with this stage: `python -m stages.<stage> "prompt" [--max-new-tokens N ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from common.loader import load_model
+from common.requests import Request, SamplingParams
+from common.tokenizer import chat_prompt
+
+from .parallel import rank_device
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
+    parser.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--do-sample", action="store_true")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false")
+    parser.add_argument("--no-chat", dest="chat", action="store_false", help="send the raw prompt, no chat template")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks to split the model across (under torchrun: its world size)")
+    args = parser.parse_args(argv)
+
+    stage = importlib.import_module(__package__)  # this stage's package, not another one
+    # Under torchrun: this rank's GPU. Split across ranks, each reads its own share of the weights.
+    loaded = load_model(args.model, device=rank_device(args.device), weights=args.tensor_parallel_size == 1)
+    # Under torchrun, on every rank but 0 the engine follows rank 0's steps and ends the process.
+    engine = stage.InferenceEngine(loaded, max_batch_size=args.max_batch_size,
+                                   tensor_parallel_size=args.tensor_parallel_size)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, do_sample=args.do_sample, stop_on_eos=args.stop_on_eos, seed=args.seed,
+    )
+    texts = [chat_prompt(loaded.tokenizer, p) if args.chat else p for p in args.prompts]
+    try:
+        for prompt, completion in zip(args.prompts, engine.generate([Request(prompt=t, params=params) for t in texts])):
+            print(f"### {prompt}")
+            print(completion.text)
+            print()
+    finally:
+        engine.close()  # the other ranks stop with it
+
+
+if __name__ == "__main__":
+    main()

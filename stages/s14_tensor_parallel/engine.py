@@ -1,0 +1,532 @@
+"""InferenceEngine for stage 14: one model split across ranks, tensor parallel.
+
+`tensor_parallel_size` (vLLM's name) ranks each hold a 1/N share of every layer (parallel.py:
+heads and the MLP's inner width, Megatron-style, one all-reduce after the attention and one
+after the MLP) and a KV pool for their own KV heads. The scheduler runs on rank 0 only: every
+step it builds a `Step`, what the forward needs (token ids, positions, slots, block tables,
+lengths), sends it to the other ranks, and every rank runs the same forward on its share; the
+LM head's slices are gathered, and rank 0 samples. Launched as one process, the engine starts
+the other ranks itself; under torchrun every rank runs the same command, and the engine of a
+rank other than 0 follows rank 0's steps inside its constructor and ends the process at close.
+At size 1 this is stage 13, with no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from common.device import to_device
+from common.loader import LoadedModel
+from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
+from common.sampling import make_generator, sample_tokens
+
+from .attention import DecodeAttention, PrefillAttention, StepAttention
+from .cuda_graphs import DecodeGraphs
+from .kv_cache import KVBlockPool, OutOfKVBlocks
+from .parallel import TensorParallel
+from .sharding import load_shard, local_config
+from .prefix_cache import BlockKey, PrefixCache, block_keys
+
+
+@dataclass
+class Step:
+    """One step's forward as every rank runs it: the packed row's token ids and positions [T]
+    (decode rows first), each decode row's slot [B], block table [B, nb] and length [B], each
+    prompt chunk's slots [S], span and blocks, and the rows whose logits are kept. Rank 0 builds
+    it from its sessions; the other ranks get a copy (parallel.py) and never see a session."""
+
+    ids: list[int]
+    positions: torch.Tensor
+    rows: list[int]
+    num_decode: int
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prefill: tuple[torch.Tensor, list[tuple[int, int, int]], list[list[int]]] | None = None
+    graph: bool = False  # decode only, in a captured bucket
+
+    def cpu(self) -> "Step":
+        """A copy to send: its tensors on the host."""
+        move = lambda group: None if group is None else tuple(t.cpu() if torch.is_tensor(t) else t for t in group)  # noqa: E731
+        return dataclasses.replace(self, positions=self.positions.cpu(), decode=move(self.decode),
+                                   prefill=move(self.prefill))
+
+
+DEFAULT_TOKENS_PER_SLOT = 1024  # default KV pool: this many tokens per decode slot (see _num_blocks)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # tokens per step on this CPU: decode rows + a prompt chunk (see BENCH)
+
+
+@dataclass
+class InferenceSession:
+    """One request's decoding state. It owns its KV blocks through `block_table`."""
+
+    request: Request
+    prompt_ids: list[int]
+    truncated: bool
+    generator: torch.Generator | None
+    pool: KVBlockPool
+    generated: list[int] = field(default_factory=list)
+    timestamps: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the blocks
+    reserved: int = 0  # blocks booked for this session but not taken yet
+    row: int | None = None  # its row in pool.tables, the device mirror of block_table (from its first block on)
+    prefill_target: int = 0  # tokens to prefill before sampling: the prompt, or prompt + generated after a preemption
+    preempted: bool = False  # waiting to be readmitted, holding no block
+    preemptions: int = 0
+    computed: int = 0  # the most tokens it ever had cached: below that, a prefill computes them again
+    prompt_counted: bool = False  # its prompt is in the prefix cache's statistics (once, however often it comes back)
+    block_keys: list[BlockKey] = field(default_factory=list)  # chained keys of the prompt's full blocks
+    reused_blocks: int = 0  # prompt blocks taken from the prefix cache instead of computed
+    timings: dict[str, float] = field(default_factory=dict)  # submitted, scheduled (perf_counter)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What the session prefills before it samples: its prompt, or after a preemption its
+        prompt and every token it generated (recompute: their K/V were given back)."""
+        return self.tokens[: self.prefill_target]
+
+    @property
+    def prefilling(self) -> bool:
+        """Some of `prefill_ids` still have no K/V: the session gets chunks, not decode steps."""
+        return not self.finished and not self.preempted and self.num_cached < self.prefill_target
+
+    def needs_block(self) -> bool:
+        """Its next decode token starts a new block (the last one is full)."""
+        return len(self.block_table) * self.pool.block_size < self.num_cached + 1
+
+    def take_slots(self, n: int) -> torch.Tensor:
+        """Slots for the next n tokens (a prompt), taking new blocks from the pool as the last one fills."""
+        start = self.num_cached
+        self.make_room(n)
+        self.pool.tables.lengths[self.row] = self.num_cached
+        pos = torch.arange(start, start + n)
+        return torch.tensor(self.block_table)[pos // self.pool.block_size] * self.pool.block_size + pos % self.pool.block_size  # [n]
+
+    def make_room(self, n: int) -> None:
+        """Count n more cached tokens, taking a block each time the last one is full (mirrored on the device)."""
+        if self.row is None:
+            self.row = self.pool.tables.acquire()
+        bs = self.pool.block_size
+        first_new = len(self.block_table)
+        while len(self.block_table) * bs < self.num_cached + n:
+            booked = self.reserved > 0  # a prefill's blocks were booked at admission; a decode's are taken now
+            self.block_table.append(self.pool.allocator.allocate(booked))
+            self.reserved -= booked
+        if len(self.block_table) > first_new:
+            self.pool.zero_if_fresh(self.block_table[first_new:])
+            self.pool.tables.set(self.row, first_new, self.block_table[first_new:])
+        self.num_cached += n
+
+    def attach_blocks(self, blocks: list[int]) -> None:
+        """Continue the prompt with full blocks someone else filled (shared: one more reference each, read-only)."""
+        bs = self.pool.block_size
+        assert self.num_cached == len(self.block_table) * bs, "cached blocks follow full blocks only"
+        for block in blocks:
+            if self.pool.allocator.share(block):
+                self.reserved -= 1  # it was evictable: taking it back used one of our booked blocks
+        if self.row is None:
+            self.row = self.pool.tables.acquire()
+        self.pool.tables.set(self.row, len(self.block_table), blocks)
+        self.block_table += blocks
+        self.reused_blocks += len(blocks)
+        self.num_cached += len(blocks) * bs
+        self.pool.tables.lengths[self.row] = self.num_cached
+
+    def context_slots(self) -> torch.Tensor:
+        """Slots of every cached token, in order: the block table read out."""
+        bs = self.pool.block_size
+        table = torch.tensor(self.block_table)
+        return (table[:, None] * bs + torch.arange(bs)).flatten()[: self.num_cached]  # [num_cached]
+
+    def release_kv_blocks(self) -> None:
+        """Give every block (and any unused booking) back to the pool.
+
+        Last block first: cached blocks become evictable in that order, so under pressure a
+        prompt's tail is evicted before its head, which every longer match needs first.
+        """
+        for block in reversed(self.block_table):
+            self.pool.allocator.decref(block)
+        self.pool.allocator.unreserve(self.reserved)
+        self.block_table, self.reserved, self.num_cached = [], 0, 0
+        if self.row is not None:
+            self.pool.tables.release(self.row)
+            self.row = None
+
+
+class InferenceEngine:
+    """Generates completions for a list of requests, `max_batch_size` at a time, KV in paged blocks."""
+
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = 8, block_size: int = 16,
+                 kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 enforce_eager: bool = False, max_cudagraph_capture_size: int | None = None,
+                 tensor_parallel_size: int = 1) -> None:
+        if int(max_batch_size) <= 0:
+            raise ValueError("max_batch_size must be positive")
+        if int(block_size) <= 0:
+            raise ValueError("block_size must be positive")
+        if int(max_num_batched_tokens) < int(max_batch_size):  # vLLM's rule too: decode rows alone must fit
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size ({max_batch_size})")
+        capture_size = int(max_batch_size if max_cudagraph_capture_size is None else max_cudagraph_capture_size)
+        if not 0 < capture_size <= int(max_batch_size):  # vLLM's name; above the batch it could never be used
+            raise ValueError(f"max_cudagraph_capture_size must be between 1 and max_batch_size ({max_batch_size}), "
+                             f"not {max_cudagraph_capture_size}")
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.loaded = loaded
+        self.tp = TensorParallel(tensor_parallel_size, loaded.config, loaded.device)  # ValueError if it cannot split
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.max_batch_size = int(max_batch_size)
+        self.max_model_len = loaded.config.max_position_embeddings
+        self.group = loaded.config.num_heads // loaded.config.num_kv_heads  # query heads per KV head
+        self.eos_token_ids = loaded.config.eos_token_ids
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
+        num_blocks = self._num_blocks(block_size, kv_cache_max_concurrency, num_kv_blocks)
+        self.tp.start({"package": __package__, "model": str(loaded.path), "device": self.device.type,
+                       "dtype": str(loaded.dtype).replace("torch.", ""),
+                       "kwargs": dict(max_batch_size=max_batch_size, block_size=block_size, num_kv_blocks=num_blocks,
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+                                      max_cudagraph_capture_size=max_cudagraph_capture_size,
+                                      tensor_parallel_size=tensor_parallel_size)})
+        if self.tp.size > 1:  # every rank reads its own share of the checkpoint (sharding.py)
+            self.model = load_shard(self.tp, loaded.path, loaded.config, self.device, loaded.dtype)
+        else:
+            self.model = loaded.model
+        self.pool = KVBlockPool(local_config(loaded.config, self.tp.size), num_blocks, int(block_size),
+                                loaded.dtype, self.device)  # the K/V of this rank's KV heads
+        self.prefix_cache = PrefixCache(self.pool, enable_prefix_caching)
+        self._peak_blocks = 0
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
+        self.num_preemptions = 0  # sessions preempted, and the tokens their readmissions computed again
+        self.recomputed_tokens = 0
+        self._steps, self._usage_sum, self._batch_sum, self._batch_peak = 0, 0.0, 0, 0
+        self._waiting_steps, self._waiting_usage_sum = 0, 0.0
+        # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
+        self.graphs = None if enforce_eager else DecodeGraphs(self, capture_size)
+        if self.tp.rank != 0:  # a follower: it runs rank 0's steps until rank 0 closes, then its process ends
+            for t in self.pool.k + self.pool.v:
+                t.zero_()  # blocks are taken on rank 0: here every one starts at zero (see zero_if_fresh)
+            try:
+                self.tp.follow(self._execute)
+            finally:
+                self.tp.close()
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Give the graphs and their memory pool back (the engine still runs, eagerly), and end
+        the other ranks of a tensor-parallel engine (it does not run after that)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.tp.close()
+
+    def _num_blocks(self, block_size: int, concurrency: int | None, num_blocks: int | None) -> int:
+        """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob).
+
+        Neither given: room for every decode slot to hold DEFAULT_TOKENS_PER_SLOT tokens, and at
+        least one full-context sequence — not max_batch_size full contexts, which for an 8k-context
+        model would reserve gigabytes that short requests never touch (paging's whole point).
+        """
+        if num_blocks is not None and concurrency is not None:
+            raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
+        if num_blocks is not None:
+            if int(num_blocks) <= 0:
+                raise ValueError("num_kv_blocks must be positive")
+            return int(num_blocks)
+        if concurrency is None:
+            tokens = max(self.max_batch_size * min(self.max_model_len, DEFAULT_TOKENS_PER_SLOT), self.max_model_len)
+            return -(-tokens // int(block_size))
+        if int(concurrency) <= 0:
+            raise ValueError("kv_cache_max_concurrency must be positive")
+        return int(concurrency) * -(-self.max_model_len // int(block_size))
+
+    def kv_stats(self) -> dict:
+        """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""
+        return {
+            "peak_kv_bytes": self._peak_blocks * self.pool.bytes_per_block,
+            "pool_kv_bytes": self.pool.nbytes,
+            "block_size": self.pool.block_size,
+            "num_blocks": self.pool.allocator.num_blocks,
+            "peak_blocks_in_use": self._peak_blocks,
+            "prefix_cache_blocks": len(self.prefix_cache),
+            "prefix_cache_hits": self.prefix_cache.hits,
+            "prefix_cache_misses": self.prefix_cache.misses,
+            "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens,
+            "prefix_cache_query_tokens": self.prefix_cache.query_tokens,
+            "num_preemptions": self.num_preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "kv_usage_mean": self._usage_sum / self._steps if self._steps else 0.0,
+            "kv_usage_peak": self._peak_blocks / self.pool.allocator.num_blocks,
+            "kv_usage_mean_while_waiting": (self._waiting_usage_sum / self._waiting_steps
+                                            if self._waiting_steps else None),
+            "steps_while_waiting": self._waiting_steps,
+            "running_mean": self._batch_sum / self._steps if self._steps else 0.0,
+            "running_peak": self._batch_peak,
+            "cudagraphs": len(self.graphs.graphs) if self.graphs is not None else 0,
+            "cudagraph_capture_s": self.graphs.capture_s if self.graphs is not None else 0.0,
+            "cudagraph_pool_bytes": self.graphs.pool_bytes if self.graphs is not None else 0,
+        }
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run every request to completion with continuous batching; results in the order of `requests`."""
+        from .scheduler import OnlineScheduler  # the scheduler drives this engine, so it imports us
+
+        submitted = time.perf_counter()
+        # Validate and tokenize everything first: bad input fails before any work is done.
+        prepared = [prepare_prompt(r, self.tokenizer, self.max_model_len) for r in requests]
+        sessions = [self.new_session(r, p) for r, p in zip(requests, prepared)]
+        scheduler = OnlineScheduler(self, self.max_batch_size)
+        waiting = deque(range(len(sessions)))
+        index_of: dict[int, int] = {}
+        completions: list[Completion | None] = [None] * len(sessions)
+        try:
+            while waiting or scheduler.has_unfinished():
+                # Admit while a decode slot and the request's KV blocks are free: it joins the next step.
+                while waiting and scheduler.num_unfinished < self.max_batch_size:
+                    try:
+                        rid = scheduler.add_session(sessions[waiting[0]], submitted=submitted)
+                    except OutOfKVBlocks:
+                        if not scheduler.has_unfinished():  # nothing holds a block, and it still does not fit
+                            raise
+                        break  # waits until a running request finishes and frees blocks
+                    index_of[rid] = waiting.popleft()
+                scheduler.step()
+                for error in scheduler.pop_failed().values():
+                    raise error  # a request that outgrew the whole pool: it could never finish
+                for rid in scheduler.pop_finished_ids():
+                    completions[index_of[rid]] = scheduler.pop_completion(rid)
+        finally:  # on an error, the others' blocks go back too: the engine serves the next call whole
+            for rid in scheduler.request_ids():
+                scheduler.discard_request(rid)
+        return completions  # type: ignore[return-value]
+
+    def new_session(self, request: Request, prompt: PreparedPrompt) -> InferenceSession:
+        """A session for a validated, tokenized request; fails if its prompt (and the first token
+        it generates) could never fit in the pool, even alone. How long it may grow is not asked
+        any more: a session that outgrows the whole pool is ended then (scheduler.py)."""
+        session = InferenceSession(request, prompt.token_ids, prompt.truncated,
+                                   make_generator(request.params, self.device), self.pool,
+                                   prefill_target=len(prompt.token_ids))
+        need = self.blocks_for(len(prompt.token_ids) + 1)
+        if need > self.pool.allocator.num_blocks:
+            raise ValueError(f"kv cache: a request's prompt needs {need} KV blocks but the pool has only "
+                             f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")
+        return session
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.block_size)
+
+    def reserve(self, session: InferenceSession, headroom: int = 0) -> None:
+        """Take the session's cached prefix blocks and book the blocks of the rest of its
+        `prefill_ids` (raises OutOfKVBlocks, leaving nothing behind, if they do not fit now).
+
+        Only what the prefill will write is booked, not the tokens the session may generate: those
+        take a block each time the last one fills. `headroom` more blocks must stay free after
+        the booking (the scheduler asks for one per running session: admitting a request must
+        not force a preemption at the very next step). Cached blocks nobody holds count as free,
+        so a hit on one of those needs a booking too: taking it back out of the free blocks is an
+        allocation like any other.
+        """
+        session.block_keys = block_keys(session.prefill_ids, self.pool.block_size)
+        hits = self.prefix_cache.match(session.prefill_ids, session.block_keys)
+        revived = sum(self.pool.allocator.ref_counts[b] == 0 for b in hits)
+        need = self.blocks_for(session.prefill_target) - len(hits) + revived
+        alloc = self.pool.allocator
+        if need + headroom > alloc.num_available:
+            raise OutOfKVBlocks(f"need {need} KV blocks and {headroom} spare, {alloc.num_available} available "
+                                f"of {alloc.num_blocks}")
+        alloc.reserve(need)
+        session.reserved = need
+        session.attach_blocks(hits)  # pinned now: nothing this burst allocates can evict them
+
+    def preempt(self, session: InferenceSession) -> None:
+        """Give a running session's blocks back and keep its tokens, to prefill them again later.
+
+        Its full blocks go into the prefix cache first: freed, they stay evictable, and if nobody
+        needs them before the session is readmitted, its recompute takes them back instead of
+        computing them (vLLM's recompute preemption, with its prefix cache, does the same)."""
+        bs = self.pool.block_size
+        full = session.num_cached // bs * bs
+        known = session.tokens[:full]
+        self.prefix_cache.insert(known, block_keys(known, bs), session.block_table)
+        session.computed = max(session.computed, session.num_cached)
+        session.release_kv_blocks()
+        session.prefill_target = len(session.tokens)  # prompt + generated, then sample the next token
+        session.preempted = True
+        session.preemptions += 1
+        self.num_preemptions += 1
+
+    def step_sessions(self, decode: list[InferenceSession], prefilling: list[InferenceSession],
+                      waiting: bool = False) -> tuple[torch.Tensor, list[InferenceSession]]:
+        """One forward for one scheduler step; returns logits [B + M, V] and the M sessions whose prompt it finished.
+
+        The budget (`max_num_batched_tokens`) pays for one token per decode session first, then
+        for prompt chunks of `prefilling`, in order, until it runs out: a prompt longer than
+        what is left gets a chunk now and the rest in later steps. Before its chunk, a prompt
+        takes any further cached blocks (its chunk then starts at the first uncached block),
+        also the blocks an earlier chunk of this same forward completes (`pending`): every
+        chunk's K/V of a layer is written before any chunk attends. Logits rows: the decode
+        sessions', then one per finished prompt (its last token's).
+        """
+        bs = self.pool.block_size
+        budget = self.max_num_batched_tokens - len(decode)
+        pending: dict[BlockKey, int] = {}
+        chunks: list[tuple[InferenceSession, int]] = []  # (session, first position of its chunk)
+        slots: list[torch.Tensor] = []
+        for s in prefilling:
+            if budget <= 0:
+                break
+            if s.num_cached == len(s.block_table) * bs:  # at a block boundary: more may be cached by now
+                more = self.prefix_cache.match(s.prefill_ids, s.block_keys, pending)[len(s.block_table):]
+                if more:
+                    s.attach_blocks(more)
+            start = s.num_cached
+            n = min(s.prefill_target - start, budget)
+            budget -= n
+            self.recomputed_tokens += max(0, min(start + n, s.computed) - start)  # computed before a preemption
+            slots.append(s.take_slots(n))
+            chunks.append((s, start))
+            for i in range(start // bs, (start + n) // bs):  # the full blocks this chunk completes
+                pending.setdefault(s.block_keys[i], s.block_table[i])
+        logits = self._step_forward(decode, chunks, slots)
+        done = [s for s, _ in chunks if s.num_cached == s.prefill_target]
+        for s, _ in chunks:  # only now: their K/V exist (a failed forward leaves nothing cached)
+            self.prefix_cache.insert(s.prefill_ids, s.block_keys[: s.num_cached // bs], s.block_table)
+        for s in done:
+            s.pool.allocator.unreserve(s.reserved)  # its prefill is done: cached blocks others held left some booked
+            s.reserved = 0
+            if not s.prompt_counted:  # a prompt's statistics, once
+                s.prompt_counted = True
+                self.prefix_cache.count(len(s.prompt_ids), s.reused_blocks)
+        self._record_step(len(decode) + len(chunks), waiting)
+        return logits, done
+
+    def _record_step(self, running: int, waiting: bool) -> None:
+        """What the pool and the batch held this step, for kv_stats' means and peaks; `waiting`:
+        a request was kept out for want of blocks (the steps where a full pool is the point)."""
+        alloc = self.pool.allocator
+        in_use = alloc.num_blocks - alloc.num_free
+        self._steps += 1
+        self._usage_sum += in_use / alloc.num_blocks
+        self._waiting_steps += waiting
+        self._waiting_usage_sum += waiting * in_use / alloc.num_blocks
+        self._batch_sum += running
+        self._batch_peak = max(self._batch_peak, running)
+        self._peak_blocks = max(self._peak_blocks, in_use)
+
+    def _step_forward(self, decode: list[InferenceSession], chunks: list[tuple[InferenceSession, int]],
+                      slots: list[torch.Tensor]) -> torch.Tensor:
+        """Decode tokens, then each chunk's prompt tokens, packed into one row `[1, B + sum n]`; logits [B + M, V].
+        The chunks' blocks and `slots` ([sum n]) are taken already. The step is sent to the other
+        ranks first (tensor parallel), then run here."""
+        B = len(decode)
+        ids: list[int] = [s.generated[-1] for s in decode]
+        graphs = self.graphs  # read once: close() may drop them (it belongs after the manager's close)
+        step = Step(ids, torch.empty(0, dtype=torch.long, device=self.device), list(range(B)), B,
+                    graph=bool(decode) and not chunks and graphs is not None and graphs.fits(B))
+        if decode:
+            rows, new_pos, new_slots, nb = self._decode_inputs(decode)
+            tables = self.pool.tables
+            step.decode, step.positions = (new_slots, tables.table[rows, :nb], tables.lengths[rows]), new_pos
+        if chunks:
+            spans, positions = [], []  # the prompt tokens' positions; the decode rows' came from the device mirror
+            for s, start in chunks:
+                n = s.num_cached - start
+                spans.append((len(ids) - B, start, n))  # (offset among the prompt tokens, first position, tokens)
+                ids += s.prefill_ids[start:start + n]
+                positions.extend(range(start, start + n))
+                if s.num_cached == s.prefill_target:
+                    step.rows.append(len(ids) - 1)  # the prompt's last token: sample its first output token
+            step.prefill = (torch.cat(slots), spans, [s.block_table for s, _ in chunks])
+            step.positions = torch.cat([step.positions, to_device(positions, torch.long, self.device)])  # [B + sum n]
+        if self.tp.size > 1:
+            self.tp.send(step.cpu())
+        return self._execute(step)  # [B + M, V]
+
+    def _execute(self, step: Step) -> torch.Tensor:
+        """Run one step's forward on this rank's share of the model and KV pool; logits [rows, V]."""
+        dev = self.device
+        decode = None if step.decode is None else tuple(t.to(dev) for t in step.decode)
+        if step.graph:  # decode only: a replay (on a CPU, the same padded function, eagerly)
+            return self.graphs.run(step.ids, step.positions.to(dev), *decode)  # [B, V]
+        prefill_attention = None
+        if step.prefill is not None:
+            slots, spans, tables = step.prefill
+            prefill_attention = PrefillAttention(self.pool, slots.to(dev), spans, tables, self.group)
+        attention = StepAttention(None if decode is None else DecodeAttention(self.pool, *decode), prefill_attention,
+                                  step.num_decode)
+        ids = to_device([step.ids], torch.long, dev)  # [1, B + sum n]
+        return self.model(ids, step.positions.to(dev)[None], attention, logits_indices=to_device(step.rows, torch.long, dev))
+
+    def _decode_inputs(self, sessions: list[InferenceSession]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """For one new token per session: their rows in `pool.tables` [B], positions [B], slots [B],
+        and the blocks of the longest. Positions, slots, block tables and lengths come from the
+        device mirror, indexed by the sessions' rows: only the new token ids travel from Python.
+        Blocks are taken as the last one fills, and the lengths count the new token."""
+        for s in sessions:
+            s.make_room(1)  # a new block when the last one is full
+        tables, bs = self.pool.tables, self.pool.block_size
+        rows = self._index(tuple(s.row for s in sessions))  # [B]
+        new_pos = tables.lengths[rows]  # [B]: tokens cached before this one
+        new_slots = tables.table[rows, new_pos // bs] * bs + new_pos % bs  # [B]
+        tables.lengths.index_add_(0, rows, torch.ones_like(rows))
+        nb = -(-max(s.num_cached for s in sessions) // bs)  # blocks of the longest session
+        return rows, new_pos, new_slots, nb
+
+    def _index(self, values: tuple[int, ...]) -> torch.Tensor:
+        """`values` as a device tensor, made once per distinct batch (not every step)."""
+        if values not in self._indices:
+            if len(self._indices) > 16:
+                self._indices.clear()
+            self._indices[values] = to_device(values, torch.long, self.device)
+        return self._indices[values]
+
+    def sample_and_record(self, sessions: list[InferenceSession], logits: torch.Tensor) -> None:
+        """Sample one token for every session (all live), record it, and decide who is done. logits: [B, V]."""
+        tokens = sample_tokens(logits, [s.params for s in sessions], [s.generator for s in sessions])
+        now = time.perf_counter()
+        self._peak_blocks = max(self._peak_blocks, self.pool.allocator.num_blocks - self.pool.allocator.num_free)
+        for s, tok in zip(sessions, tokens):
+            s.generated.append(tok)
+            s.timestamps.append(now)
+            s.finish_reason = finish_reason_for(
+                tok, len(s.generated), len(s.prompt_ids) + len(s.generated),
+                s.params, self.eos_token_ids, self.max_model_len,
+            )
+
+    def completion(self, session: InferenceSession) -> Completion:
+        """The public result of a finished session."""
+        ts = dict(session.timings)
+        if session.timestamps:
+            ts.update(first_token=session.timestamps[0], finished=session.timestamps[-1])
+        return Completion(
+            prompt_token_ids=session.prompt_ids,
+            token_ids=session.generated,
+            text=self.tokenizer.decode(session.generated, skip_special_tokens=True),
+            finish_reason=session.finish_reason or "length",
+            token_timestamps=session.timestamps,
+            truncated=session.truncated,
+            timings=ts,
+            prompt=session.request.prompt,
+        )

@@ -1,0 +1,205 @@
+"""Stage 14's own idea: one model split across ranks (gloo on a CPU), the scheduler on rank 0.
+
+Cross-stage parity (at size 1, stage 13 exactly) is in tests/test_parity.py. Here, at sizes 2
+and 3: greedy tokens equal transformers' (fp32); each rank holds 1/N of every layer and of the
+vocabulary; streaming and the prefix cache, chunked prefill and preemption work as before; a
+size that does not divide the heads is refused by name; a rank that dies ends the run with an
+error at once, never a hang; and two torchrun "nodes" on 127.0.0.1 give the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.requests import Request, SamplingParams
+from stages import s14_tensor_parallel as s14
+from stages.s14_tensor_parallel.parallel import TensorParallel
+from stages.s14_tensor_parallel.sharding import ShardReader
+
+BS = 4
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny batches on a shared 2-core box: torch's intra-op threads only fight over the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _generate(engine, prompts, n):
+    params = SamplingParams(max_new_tokens=n, stop_on_eos=False)
+    return [c.token_ids for c in engine.generate([Request(prompt_token_ids=p, params=params) for p in prompts])]
+
+
+def test_two_ranks_give_transformers_tokens_and_hold_half_of_every_layer(tiny, hf_greedy) -> None:
+    prompts = [_ids(3 + 7 * i, seed=i) for i in range(5)]
+    engine = s14.InferenceEngine(tiny, max_batch_size=4, block_size=BS, tensor_parallel_size=2)
+    try:
+        assert _generate(engine, prompts, 10) == [hf_greedy(p, 10) for p in prompts]
+        full, mine = tiny.model, engine.model
+        for a, b in zip(full.layers, mine.layers):  # every projection: half its rows or half its columns
+            for name in ("qkv", "o", "gate_up", "down"):
+                assert getattr(b, f"{name}_weight").numel() * 2 == getattr(a, f"{name}_weight").numel(), name
+        assert mine.embed_tokens.weight.shape[0] * 2 == full.embed_tokens.weight.shape[0]
+        assert engine.pool.k[0].shape[0] * 2 == tiny.config.num_kv_heads  # the K/V of its own heads only
+        nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
+        norms = nbytes(p for n, p in full.named_parameters() if "norm" in n)  # every rank holds them whole
+        assert nbytes(mine.parameters()) == (nbytes(full.parameters()) - norms) // 2 + norms
+        assert engine.tp.bytes_loaded == nbytes(mine.parameters())  # read from the checkpoint: its share alone
+    finally:
+        engine.close()
+
+
+def test_streaming_chunked_prefill_prefix_cache_and_preemption_under_two_ranks(tiny, hf_greedy) -> None:
+    system = _ids(3 * BS, seed=20)
+    prompts = [system + _ids(2 + i, seed=30 + i) for i in range(6)]
+    engine = s14.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=24, max_num_batched_tokens=8,
+                                 tensor_parallel_size=2)
+    try:
+        with s14.SchedulerManager(engine, max_batch_size=4) as mgr:
+            handles = [mgr.add_request(prompt_token_ids=p, max_new_tokens=20, stop_on_eos=False) for p in prompts]
+            streamed = [[t for chunk in h for t in chunk.token_ids] for h in handles]
+        assert streamed == [hf_greedy(p, 20) for p in prompts]
+        stats = engine.kv_stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    finally:
+        engine.close()
+
+
+def test_sizes_that_cannot_split_the_model_are_refused_by_name(tiny) -> None:
+    for size in (0, 3):  # tiny has 4 heads and 2 KV heads
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            s14.InferenceEngine(tiny, max_batch_size=2, tensor_parallel_size=size)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="more ranks than GPUs"):
+            TensorParallel(2, tiny.config, torch.device("cuda"))
+
+
+def test_each_rank_reads_its_slice_and_the_vocabulary_is_padded(tiny, tmp_path) -> None:
+    """A checkpoint whose vocabulary (7) three ranks do not divide: rows 3 + 3 + 1, the last
+    rank's padded with zeros; the q rows of one's heads; an o_proj bias on rank 0 alone."""
+    from safetensors.torch import save_file
+
+    embed = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)
+    q = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)  # 3 heads of 2 dims
+    bias = torch.ones(4)
+    save_file({"model.embed_tokens.weight": embed, "model.layers.0.self_attn.q_proj.weight": q,
+               "model.layers.0.self_attn.o_proj.bias": bias}, tmp_path / "model.safetensors")
+    import dataclasses
+    config = dataclasses.replace(tiny.config, vocab_size=7, num_heads=3, head_dim=2)
+    readers = [ShardReader(tmp_path, config, rank, 3) for rank in range(3)]
+    embeds = [r["model.embed_tokens.weight"] for r in readers]
+    assert [e.shape[0] for e in embeds] == [3, 3, 3] and torch.equal(torch.cat(embeds)[:7], embed)
+    assert torch.equal(embeds[2][1:], torch.zeros(2, 2))
+    assert torch.equal(readers[1]["model.layers.0.self_attn.q_proj.weight"], q[2:4])
+    assert [r["model.layers.0.self_attn.o_proj.bias"].sum().item() for r in readers] == [4.0, 0.0, 0.0]
+    assert readers[1].bytes_read == (3 * 2 + 2 * 4) * 4 and readers[0].bytes_read == (3 * 2 + 4) * 4  # rank 0 read no q
+
+
+def test_a_rank_that_dies_ends_the_run_with_an_error_not_a_hang(tiny) -> None:
+    engine = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, tensor_parallel_size=2)
+    try:
+        with s14.SchedulerManager(engine, max_batch_size=2) as mgr:
+            first = mgr.add_request(prompt_token_ids=_ids(4, seed=1), max_new_tokens=3, stop_on_eos=False)
+            assert len(first.result(timeout=60).token_ids) == 3
+            worker = engine.tp.workers[0]
+            worker.kill()
+            worker.join(10)
+            doomed = mgr.add_request(prompt_token_ids=_ids(4, seed=2), max_new_tokens=3, stop_on_eos=False)
+            with pytest.raises(RuntimeError, match="rank 1 died"):
+                doomed.result(timeout=60)
+    finally:
+        engine.close()
+
+
+def test_three_ranks_on_gpt2_random_give_the_tokens_of_one() -> None:
+    """GPT-2's layout (c_attn's q, k and v side by side, stored [in, out]; a bias in every
+    projection, the row-parallel ones on rank 0 alone) at size 3 against size 1."""
+    from common.loader import load_model
+
+    gpt2 = load_model("gpt2-random", device="cpu", dtype="float32")
+    prompts = [_ids(5 + 4 * i, seed=40 + i) for i in range(3)]
+    one = s14.InferenceEngine(gpt2, max_batch_size=4, block_size=BS)
+    expected = _generate(one, prompts, 6)
+    three = s14.InferenceEngine(gpt2, max_batch_size=4, block_size=BS, tensor_parallel_size=3)
+    try:
+        assert _generate(three, prompts, 6) == expected
+    finally:
+        three.close()
+
+
+def test_two_torchrun_nodes_on_localhost(tiny, hf_greedy) -> None:
+    """Two "machines" of one rank each, as `torchrun --nnodes 2` starts them with a rendezvous:
+    every rank runs the same command, and the one that becomes rank 0 prints the text."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    prompt = "1, 2, 3, 4,"
+    cmd = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stagewise-test", "-m", "stages.s14_tensor_parallel",
+           prompt, "--model", "tiny", "--device", "cpu", "--max-new-tokens", "6", "--no-chat",
+           "--tensor-parallel-size", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    printed = [out for out, _ in outs if "###" in out]
+    assert len(printed) == 1  # rank 0's node prints, the other follows
+    from common.requests import prepare_prompt
+    ids = prepare_prompt(Request(prompt=prompt), tiny.tokenizer, tiny.config.max_position_embeddings).token_ids
+    expected = tiny.tokenizer.decode(hf_greedy(ids, 6), skip_special_tokens=True)
+    assert expected.strip() in printed[0]
+
+
+def test_the_other_ranks_exit_when_rank_0_dies() -> None:
+    """Rank 0 killed without closing: its rank waits in the step broadcast, sees the connection
+    drop, and exits (it never runs on alone, holding its memory)."""
+    import signal
+    import time
+
+    script = ("import os, sys, torch; torch.set_num_threads(1)\n"
+              "from common.loader import load_model\n"
+              "from stages import s14_tensor_parallel as s14\n"
+              "e = s14.InferenceEngine(load_model('tiny', device='cpu'), max_batch_size=2, tensor_parallel_size=2)\n"
+              "print(e.tp.workers[0].pid, flush=True)\n"
+              "sys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rank0 = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        rank1 = int(rank0.stdout.readline())
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{rank1}/stat") as f:
+                    if f.read().split(")")[-1].split()[0] == "Z":
+                        break  # ended (a zombie until someone reaps it)
+            except OSError:
+                break  # ended and reaped
+            time.sleep(0.1)
+        else:
+            os.kill(rank1, signal.SIGKILL)
+            pytest.fail("rank 1 outlived rank 0 by a minute")
+    finally:
+        rank0.kill()
