@@ -22,9 +22,9 @@ CHANGES: list[str] = ["__init__.py", "__main__.py", "cuda_graphs.py", "engine.py
                        "test_stage.py"]
 
 # Default workload of this stage's benchmark (flags override): 16 streams of 64 new tokens at
-# once, one decode batch, at tensor_parallel_size 2: on a CPU the point is the tokens and the
-# cost of the all-reduces, not speed (two ranks share the same cores). `make bench` runs post
-# 052's workload on the newest stage instead.
+# once, one decode batch, at tensor_parallel_size 3, the one split SmolLM2 allows (9 heads, 3 KV
+# heads): on a CPU the point is the tokens and the cost of communication, not speed (the three
+# ranks share the same cores). `make bench` runs post 052's workload on the newest stage instead.
 BENCH: dict = {
     "mode": "streaming",
     "prompt_len_range": (32, 32),
@@ -32,7 +32,7 @@ BENCH: dict = {
     "max_new_tokens": 64,
     "max_batch_size": 16,
     "no_stop_on_eos": True,
-    "tensor_parallel_size": 2,
+    "tensor_parallel_size": 3,
     "warmup_runs": 1,
     "repeat_runs": 2,
 }
