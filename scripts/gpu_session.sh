@@ -93,6 +93,18 @@ step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --devic
 # Stage 13 (preemption) on its own workload: 64 chat questions, a KV pool for 8 at their worst.
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
+# Stage 14 (tensor parallelism): its tests (at size 1 on this GPU, CUDA graphs and all; the ranks
+# on gloo where there is one GPU, on NCCL where there are two or more), then, with two GPUs or
+# more, what a step's all-reduces cost there: gpt2-random (12 heads) at sizes 1 and 2.
+step tests-s14 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+    stages/s14_tensor_parallel/test_stage.py tests/test_parity.py -k "s14 or rank or torchrun or refused or padded"
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    for tp in 1 2; do
+        step profile-s14-tp$tp-$G2 - 90 $PY -m common.cli profile-decode --stage 14 --model $G2 --device $DEVICE \
+            --tensor-parallel-size $tp --batch 64 --prompt-len 64 --steps 20 \
+            --json $RESULTS/profile.s14_tensor_parallel.tp$tp.b64.$G2.$DEVICE.json
+    done
+fi
 
 # What ran on the H200 at e5514d9 (docs/results/cuda/) comes last here, to be measured
 # again at the newest commit; what never ran comes first.

@@ -174,7 +174,10 @@ def test_serve_with_the_model_split_across_two_ranks() -> None:
     """`stagewise serve --stage 14 --tensor-parallel-size 2`: the server, the engine's process
     (rank 0, the scheduler) and one more rank it starts; streams give the one-process text, and
     the server's shutdown ends the other rank too."""
-    served = Served("--stage", "14", "--tensor-parallel-size", "2")
+    import torch
+
+    device = TEST_DEVICE if TEST_DEVICE == "cpu" or torch.cuda.device_count() >= 2 else "cpu"  # a GPU per rank, or gloo
+    served = Served("--stage", "14", "--tensor-parallel-size", "2", "--device", device)
     try:
         expected = in_process([{"prompt": p} for p in PROMPTS], 8)
         ranks = served.engine.call(tp_ranks).result(timeout=30)

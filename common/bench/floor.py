@@ -141,9 +141,17 @@ class FloorSampler:
     def __init__(self, model: torch.nn.Module, batch: int) -> None:
         self.model, self.batch = model, int(batch)
         self.samples_ms: list[float] = []
+        # The machine's floor: with the threads this process had before any engine. A tensor-
+        # parallel engine on a CPU gives each rank a share of them (stage 14), rank 0 included.
+        self.threads = torch.get_num_threads()
 
     def __call__(self) -> None:
-        self.samples_ms.append(matmul_floor_ms(self.model, self.batch, min_time_s=0.3))
+        engine_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self.samples_ms.append(matmul_floor_ms(self.model, self.batch, min_time_s=0.3))
+        finally:
+            torch.set_num_threads(engine_threads)
 
     def fields(self) -> dict[str, Any]:
         if not self.samples_ms:

@@ -36,6 +36,17 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def tp_tiny(tiny):
+    """`tiny` where two ranks can run it: on the test device if it has a GPU per rank (NCCL),
+    else on the CPU (gloo). A one-GPU machine runs these on its CPU; the size check refuses two."""
+    if tiny.device.type == "cpu" or torch.cuda.device_count() >= 2:
+        return tiny
+    from common.loader import load_model
+
+    return load_model("tiny", device="cpu", dtype="float32")
+
+
 def _ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(n)]
@@ -46,17 +57,17 @@ def _generate(engine, prompts, n):
     return [c.token_ids for c in engine.generate([Request(prompt_token_ids=p, params=params) for p in prompts])]
 
 
-def test_two_ranks_give_transformers_tokens_and_hold_half_of_every_layer(tiny, hf_greedy) -> None:
+def test_two_ranks_give_transformers_tokens_and_hold_half_of_every_layer(tp_tiny, hf_greedy) -> None:
     prompts = [_ids(3 + 7 * i, seed=i) for i in range(5)]
-    engine = s14.InferenceEngine(tiny, max_batch_size=4, block_size=BS, tensor_parallel_size=2)
+    engine = s14.InferenceEngine(tp_tiny, max_batch_size=4, block_size=BS, tensor_parallel_size=2)
     try:
         assert _generate(engine, prompts, 10) == [hf_greedy(p, 10) for p in prompts]
-        full, mine = tiny.model, engine.model
+        full, mine = tp_tiny.model, engine.model
         for a, b in zip(full.layers, mine.layers):  # every projection: half its rows or half its columns
             for name in ("qkv", "o", "gate_up", "down"):
                 assert getattr(b, f"{name}_weight").numel() * 2 == getattr(a, f"{name}_weight").numel(), name
         assert mine.embed_tokens.weight.shape[0] * 2 == full.embed_tokens.weight.shape[0]
-        assert engine.pool.k[0].shape[0] * 2 == tiny.config.num_kv_heads  # the K/V of its own heads only
+        assert engine.pool.k[0].shape[0] * 2 == tp_tiny.config.num_kv_heads  # the K/V of its own heads only
         nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
         norms = nbytes(p for n, p in full.named_parameters() if "norm" in n)  # every rank holds them whole
         assert nbytes(mine.parameters()) == (nbytes(full.parameters()) - norms) // 2 + norms
@@ -65,10 +76,10 @@ def test_two_ranks_give_transformers_tokens_and_hold_half_of_every_layer(tiny, h
         engine.close()
 
 
-def test_streaming_chunked_prefill_prefix_cache_and_preemption_under_two_ranks(tiny, hf_greedy) -> None:
+def test_streaming_chunked_prefill_prefix_cache_and_preemption_under_two_ranks(tp_tiny, hf_greedy) -> None:
     system = _ids(3 * BS, seed=20)
     prompts = [system + _ids(2 + i, seed=30 + i) for i in range(6)]
-    engine = s14.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=24, max_num_batched_tokens=8,
+    engine = s14.InferenceEngine(tp_tiny, max_batch_size=4, block_size=BS, num_kv_blocks=24, max_num_batched_tokens=8,
                                  tensor_parallel_size=2)
     try:
         with s14.SchedulerManager(engine, max_batch_size=4) as mgr:
@@ -111,8 +122,8 @@ def test_each_rank_reads_its_slice_and_the_vocabulary_is_padded(tiny, tmp_path) 
     assert readers[1].bytes_read == (3 * 2 + 2 * 4) * 4 and readers[0].bytes_read == (3 * 2 + 4) * 4  # rank 0 read no q
 
 
-def test_a_rank_that_dies_ends_the_run_with_an_error_not_a_hang(tiny) -> None:
-    engine = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, tensor_parallel_size=2)
+def test_a_rank_that_dies_ends_the_run_with_an_error_not_a_hang(tp_tiny) -> None:
+    engine = s14.InferenceEngine(tp_tiny, max_batch_size=2, block_size=BS, tensor_parallel_size=2)
     try:
         with s14.SchedulerManager(engine, max_batch_size=2) as mgr:
             first = mgr.add_request(prompt_token_ids=_ids(4, seed=1), max_new_tokens=3, stop_on_eos=False)
