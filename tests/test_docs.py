@@ -236,6 +236,10 @@ def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
         results.render_bench_value(REPO, f"{SAMPLE} stage")
     assert results.render_bench_value(tmp_path, "docs/results/none.json ttft_ms.p50") == "*pending*"
     assert results.render_bench_value(REPO, f"{SAMPLE} requests") == f"{data['requests']}"  # a count: no decimals
+    assert results.render_bench_value(REPO, f"{SAMPLE} requests KiB") == f"{data['requests'] / 1024:.1f} KiB"
+    assert results.render_bench_value(REPO, f"{SAMPLE} requests %") == f"{data['requests'] * 100:.1f} %"
+    with pytest.raises(results.DocsError, match="expected"):
+        results.render_bench_value(REPO, f"{SAMPLE} requests GB")
 
 
 def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:

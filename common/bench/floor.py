@@ -11,8 +11,10 @@ weights, dtype and device, in the same process, is a floor no stage can beat; `x
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -131,6 +133,17 @@ def attention_free_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, re
     return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
 
 
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Run the block with `n` intra-op threads, then give back the count it found."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class FloorSampler:
     """Samples the floor after every timed run, so that it sees the machine the runs saw.
 
@@ -146,12 +159,8 @@ class FloorSampler:
         self.threads = torch.get_num_threads()
 
     def __call__(self) -> None:
-        engine_threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
+        with threads(self.threads):
             self.samples_ms.append(matmul_floor_ms(self.model, self.batch, min_time_s=0.3))
-        finally:
-            torch.set_num_threads(engine_threads)
 
     def fields(self) -> dict[str, Any]:
         if not self.samples_ms:

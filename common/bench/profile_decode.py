@@ -208,10 +208,12 @@ class DecodeWindow:
 
 
 def measure(a: argparse.Namespace) -> dict:
-    from common.bench.floor import (attention_free_ms, decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms)
+    from common.bench.floor import (attention_free_ms, decode_matmuls, kv_bytes_per_step, matmul_floor_ms, read_floor_ms,
+                                    threads)
     from common.requests import Request, SamplingParams
     from common.bench.workloads import model_token_range, random_token_ids
 
+    machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
     package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch,
                                                "tensor_parallel_size": a.tensor_parallel_size})
     rng = random.Random(a.seed)
@@ -230,15 +232,17 @@ def measure(a: argparse.Namespace) -> dict:
     window = DecodeWindow(getattr(engine, "model", loaded.model), a.steps, a.batch, loaded.device,
                           tp.counts if tp_size > 1 else None)
     window.run(engine, requests, profiled=False)  # warm-up: every KV block touched once
-    floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
+    with threads(machine_threads):
+        floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
     times = window.run(engine, requests, profiled=False)
     collectives = {k: v / a.steps for k, v in sorted(window.window_counts.items())}  # per step, in the timed run
-    floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
-    free_ms = attention_free_ms(loaded.model, a.batch, min_time_s=0.3)  # same minutes as the floors
+    with threads(machine_threads):
+        floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
+        free_ms = attention_free_ms(loaded.model, a.batch, min_time_s=0.3)  # same minutes as the floors
     window.run(engine, requests, profiled=True)
     cuda = loaded.device.type == "cuda"
     ops = op_table(window.prof, a.steps, kernels=cuda)
-    with profile(activities=[ProfilerActivity.CPU]) as floor_prof:
+    with threads(machine_threads), profile(activities=[ProfilerActivity.CPU]) as floor_prof:
         matmul_floor_ms(loaded.model, a.batch, warmup=2, repeats=a.steps)
     floor_mm = sum(r["ms_per_step"] for r in op_table(floor_prof, a.steps + 2) if r["group"] == "matmul")  # warm-up + repeats
     fields = group_fields(ops)
@@ -246,7 +250,8 @@ def measure(a: argparse.Namespace) -> dict:
     # Decode step n (from 0) attends over prompt_len + n + 1 tokens; the mean over the timed window:
     context = a.prompt_len + DecodeWindow.SKIP + (a.steps - 1) / 2 + 1
     kv_bytes = kv_bytes_per_step(loaded.config, a.batch, context, loaded.model.lm_head_weight.element_size())
-    kv_floor = read_floor_ms(kv_bytes, loaded.dtype, loaded.device)
+    with threads(machine_threads):
+        kv_floor = read_floor_ms(kv_bytes, loaded.dtype, loaded.device)
     kv_ms = groups["attention"] + groups["kv_cache"]
     step_ms, floor_ms = statistics.median(times), statistics.median(floors)
     kernel = kernel_fields(ops) if cuda else {}

@@ -437,14 +437,20 @@ def _correctness_lines(data: dict) -> list[str]:
                 f"this stage's on the first warmup: the timings compare different work."]
 
 
+UNITS = {"KiB": 1 / 1024, "MiB": 1 / 2**20, "%": 100.0}  # bench-value's optional third word: shown in it
+
+
 def render_bench_value(root: Path, args: str) -> str:
     parts = args.split()
-    if len(parts) != 2:
-        raise DocsError(f"bench-value: expected 'PATH KEY', got {args!r}")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in UNITS):
+        raise DocsError(f"bench-value: expected 'PATH KEY [{'|'.join(UNITS)}]', got {args!r}")
     data = load_result(root, parts[0])
     if data is None:
         return "*pending*"
     value = _number(data, parts[1], parts[0])
+    if len(parts) == 3:
+        value *= UNITS[parts[2]]
+        return f"{value:.1f} %" if parts[2] == "%" else f"{value:.1f} {parts[2]}"
     return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"  # a count (kernel launches a step) reads as one
 
 
