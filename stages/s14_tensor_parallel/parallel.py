@@ -3,9 +3,13 @@ collectives the split model calls, and how rank 0 leads the others step by step.
 
 Every rank holds a share of every layer (sharding.py) and a KV pool for its own KV heads. One
 scheduler runs on rank 0; for every step it sends the other ranks what the forward needs (token
-ids, positions, slots, block tables, lengths: a few kilobytes, with one `broadcast_object_list`,
-as mini-sglang and vLLM's multiprocessing executor send a step's plan; nano-vllm writes it to
-shared memory), and every rank runs the same forward. The ranks come up either under `torchrun`
+ids, positions, slots, block tables, lengths: a few kilobytes), and every rank runs the same
+forward. That is vLLM's way (its executor sends each step's plan to the workers, through a
+shared-memory queue, or `broadcast_object_list` where it has none) and nano-vllm's (through
+shared memory); SGLang and mini-sglang instead send every rank the incoming requests and run a
+scheduler on each. One scheduler keeps stage 13's untouched and the other ranks stateless: they
+never see a request, so there is nothing on them to keep in step. The step goes with one
+`broadcast_object_list`, torch.distributed's own, the same on gloo and NCCL. The ranks come up either under `torchrun`
 (any number of machines: each rank runs the same command) or, launched as one process, as
 `tensor_parallel_size - 1` processes that rank 0 starts itself (`torch.multiprocessing`, as
 vLLM's multiprocessing executor and nano-vllm do) with the environment torchrun would give them.
