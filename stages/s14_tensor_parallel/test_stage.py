@@ -138,20 +138,26 @@ def test_a_rank_that_dies_ends_the_run_with_an_error_not_a_hang(tp_tiny) -> None
         engine.close()
 
 
-def test_three_ranks_on_gpt2_random_give_the_tokens_of_one() -> None:
-    """GPT-2's layout (c_attn's q, k and v side by side, stored [in, out]; a bias in every
-    projection, the row-parallel ones on rank 0 alone) at size 3 against size 1."""
+def test_gpt2_random_at_two_and_three_ranks_gives_transformers_tokens() -> None:
+    """GPT-2's layout: c_attn's q, k and v side by side, stored [in, out]; a bias in every
+    projection, the row-parallel ones on rank 0 alone. 12 heads: two ranks and three."""
+    from transformers import AutoModelForCausalLM
+
     from common.loader import load_model
+    from conftest import run_hf_greedy
 
     gpt2 = load_model("gpt2-random", device="cpu", dtype="float32")
     prompts = [_ids(5 + 4 * i, seed=40 + i) for i in range(3)]
-    one = s14.InferenceEngine(gpt2, max_batch_size=4, block_size=BS)
-    expected = _generate(one, prompts, 6)
-    three = s14.InferenceEngine(gpt2, max_batch_size=4, block_size=BS, tensor_parallel_size=3)
-    try:
-        assert _generate(three, prompts, 6) == expected
-    finally:
-        three.close()
+    hf = AutoModelForCausalLM.from_pretrained(gpt2.path, dtype=torch.float32).eval()
+    expected = [run_hf_greedy(hf, p, 6, gpt2.config.eos_token_ids) for p in prompts]
+    for size in (2, 3):
+        engine = s14.InferenceEngine(gpt2, max_batch_size=4, block_size=BS, tensor_parallel_size=size)
+        try:
+            params = SamplingParams(max_new_tokens=6)
+            got = engine.generate([Request(prompt_token_ids=p, params=params) for p in prompts])
+            assert [c.token_ids for c in got] == expected, size
+        finally:
+            engine.close()
 
 
 def test_two_torchrun_nodes_on_localhost(tiny, hf_greedy) -> None:
