@@ -146,3 +146,23 @@ def test_attention_free_forward_is_one_token_per_row_and_reads_no_kv(tiny) -> No
         del model.forward
     H = model.config.num_heads
     assert calls == [((5, 1), (5, 1), (5, 1, H, model.config.head_dim), (5,))] * 5  # 2 warm-ups + 3 timed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_free_forward_runs_the_projections_as_a_step_does(dtype) -> None:
+    """The no-op attention hands back its queries in a tensor of their own, as a real attention
+    does: the output projection gets plain rows. Handed q's strided view, a bf16 forward on a
+    CPU ran every projection after it as a batched matmul over a copy of the weight per row, and
+    the "least x floor" bound read 19x instead of about 1.2x."""
+    from torch.profiler import profile
+
+    from common.bench.floor import _no_attention
+    from common.loader import load_model
+
+    model = load_model("tiny", device="cpu", dtype=dtype).model
+    B = 8
+    ids, positions, first = torch.arange(B)[:, None], torch.ones((B, 1), dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    with torch.inference_mode(), profile() as prof:
+        model(ids, positions, _no_attention, logits_indices=first)
+    ops = {e.key for e in prof.key_averages()}
+    assert not ops & {"aten::bmm", "aten::expand"}, sorted(ops)

@@ -106,8 +106,11 @@ def read_floor_ms(nbytes: int, dtype: torch.dtype, device: torch.device, *, repe
 
 
 def _no_attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """An attention that reads no K/V: each query row comes back as its own output ([B, T, Hq, D])."""
-    return q
+    """An attention that reads no K/V: each query row comes back as its own output ([B, T, Hq, D]),
+    in a tensor of its own as every attention's output is. (q itself is a strided view into the
+    q/k/v projection: the output projection would then see strided rows, and on a CPU in bf16
+    `F.linear` runs them as a batched matmul over a copy of the weight for every row.)"""
+    return q.contiguous()
 
 
 @torch.inference_mode()
