@@ -46,8 +46,10 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     if not hasattr(module, "SchedulerManager"):
         raise SystemExit(f"serve: {registry.short_name(package)} has no SchedulerManager; serve needs stage 4 or later")
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
+    # Split across ranks (stage 14), every rank reads its own share of the weights: none loads them all.
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype,
+                        weights=knobs.get("tensor_parallel_size", 1) == 1)
     engine = module.InferenceEngine(loaded, max_batch_size=args.max_batch_size, **knobs)
     manager = module.SchedulerManager(engine, **accepted(module.SchedulerManager, manager_knobs(args)))
     if worker_priority(args.worker_priority, loaded.device) == "idle":

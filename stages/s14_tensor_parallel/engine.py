@@ -14,6 +14,7 @@ At size 1 this is stage 13, with no process group.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Step:
                                    prefill=move(self.prefill))
 
 
+CLOSE_WAIT_S = 10.0  # close() waits this long for a running step before it stops the ranks under it
 DEFAULT_TOKENS_PER_SLOT = 1024  # default KV pool: this many tokens per decode slot (see _num_blocks)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # tokens per step on this CPU: decode rows + a prompt chunk (see BENCH)
 
@@ -208,6 +210,25 @@ class InferenceEngine:
                                       max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                                       max_cudagraph_capture_size=max_cudagraph_capture_size,
                                       tensor_parallel_size=tensor_parallel_size)})
+        try:
+            self._build(loaded, num_blocks, block_size, enable_prefix_caching, enforce_eager, capture_size)
+        except BaseException:  # the other ranks may be waiting in a collective for this one: stop them
+            self.tp.abort("tensor parallel: the engine failed to start")
+            self.tp.close()
+            raise
+        if self.tp.rank != 0:  # a follower: it runs rank 0's steps until rank 0 closes, then its process ends
+            for t in self.pool.k + self.pool.v:
+                t.zero_()  # blocks are taken on rank 0: here every one starts at zero (see zero_if_fresh)
+            try:
+                with torch.inference_mode():
+                    self.tp.follow(lambda step: self._execute(step, self.graphs))
+            finally:
+                self.tp.close()
+            raise SystemExit(0)
+
+    def _build(self, loaded: LoadedModel, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+               enforce_eager: bool, capture_size: int) -> None:
+        """This rank's share of the model, its KV pool and cache, and its decode graphs."""
         if self.tp.size > 1:  # every rank reads its own share of the checkpoint (sharding.py)
             self.model = load_shard(self.tp, loaded.path, loaded.config, self.device, loaded.dtype)
         else:
@@ -221,16 +242,9 @@ class InferenceEngine:
         self.recomputed_tokens = 0
         self._steps, self._usage_sum, self._batch_sum, self._batch_peak = 0, 0.0, 0, 0
         self._waiting_steps, self._waiting_usage_sum = 0, 0.0
+        self._step_lock = threading.Lock()  # held while a step runs: close() must not start a collective beside it
         # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
         self.graphs = None if enforce_eager else DecodeGraphs(self, capture_size)
-        if self.tp.rank != 0:  # a follower: it runs rank 0's steps until rank 0 closes, then its process ends
-            for t in self.pool.k + self.pool.v:
-                t.zero_()  # blocks are taken on rank 0: here every one starts at zero (see zero_if_fresh)
-            try:
-                self.tp.follow(self._execute)
-            finally:
-                self.tp.close()
-            raise SystemExit(0)
 
     def close(self) -> None:
         """Give the graphs and their memory pool back (the engine still runs, eagerly), and end
@@ -238,7 +252,14 @@ class InferenceEngine:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        self.tp.close()
+        if self._step_lock.acquire(timeout=CLOSE_WAIT_S):
+            try:
+                self.tp.close()
+            finally:
+                self._step_lock.release()
+        else:  # a step is still running in another thread: stop the ranks under it, without a collective
+            self.tp.abort("tensor parallel: the engine was closed during a step")
+            self.tp.close()
 
     def _num_blocks(self, block_size: int, concurrency: int | None, num_blocks: int | None) -> int:
         """The KV budget: a block count, or room for `concurrency` full-context sequences (the posts' knob).
@@ -460,16 +481,24 @@ class InferenceEngine:
                     step.rows.append(len(ids) - 1)  # the prompt's last token: sample its first output token
             step.prefill = (torch.cat(slots), spans, [s.block_table for s, _ in chunks])
             step.positions = torch.cat([step.positions, to_device(positions, torch.long, self.device)])  # [B + sum n]
-        if self.tp.size > 1:
+        with self._step_lock:
+            if self.tp.size == 1:
+                return self._execute(step, graphs)  # [B + M, V]
             self.tp.send(step.cpu())
-        return self._execute(step)  # [B + M, V]
+            try:
+                return self._execute(step, graphs)
+            except BaseException as exc:  # the others may be inside this step's collectives: out of step for good
+                self.tp.abort(f"tensor parallel: a step failed on rank 0 ({type(exc).__name__}: {exc}); "
+                              "the other ranks were out of step and were stopped")
+                raise
 
-    def _execute(self, step: Step) -> torch.Tensor:
-        """Run one step's forward on this rank's share of the model and KV pool; logits [rows, V]."""
+    def _execute(self, step: Step, graphs: DecodeGraphs | None) -> torch.Tensor:
+        """Run one step's forward on this rank's share of the model and KV pool; logits [rows, V]
+        (on a rank other than 0, its slice of the vocabulary)."""
         dev = self.device
         decode = None if step.decode is None else tuple(t.to(dev) for t in step.decode)
         if step.graph:  # decode only: a replay (on a CPU, the same padded function, eagerly)
-            return self.graphs.run(step.ids, step.positions.to(dev), *decode)  # [B, V]
+            return graphs.run(step.ids, step.positions.to(dev), *decode)  # [B, V]
         prefill_attention = None
         if step.prefill is not None:
             slots, spans, tables = step.prefill

@@ -33,9 +33,16 @@ from torch.profiler import record_function
 
 from common.config import ModelConfig
 
-TIMEOUT = datetime.timedelta(seconds=60)  # a collective waits this long for a rank that died
+START_TIMEOUT = datetime.timedelta(minutes=10)  # forming the group: every rank loads its share first
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast: a follower waits as long as rank 0 idles
 STOP = "stop"
 _ACTIVE: "TensorParallel | None" = None  # the process group's owner in this process
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective of the model waits for a rank that died: a minute, or what
+    STAGEWISE_TP_TIMEOUT_S says (the tests shorten it)."""
+    return datetime.timedelta(seconds=float(os.environ.get("STAGEWISE_TP_TIMEOUT_S", 60)))
 
 
 class TensorParallel:
@@ -48,13 +55,21 @@ class TensorParallel:
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):  # every rank: whole heads, equal slices
             if getattr(config, name) % size:
                 raise ValueError(f"tensor_parallel_size {size} must divide the model's {name} ({getattr(config, name)})")
-        if device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size}: more ranks than GPUs ({torch.cuda.device_count()})")
         self.size = size
         self.rank = int(os.environ.get("RANK", 0)) if size > 1 else 0
+        if device.type == "cuda" and size > 1:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", size)) if self.launched_by_torchrun else size
+            if local > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {size}: more ranks than GPUs on this machine "
+                                 f"({local} > {torch.cuda.device_count()})")
+            if not self.launched_by_torchrun and (device.index or 0) != 0:
+                raise ValueError(f"tensor_parallel_size {size}: the ranks take cuda:0 to cuda:{size - 1}; "
+                                 f"load the model on cuda:0, not {device}")
         self.workers: list[Any] = []
         self.bytes_loaded = 0  # of the checkpoint, by this rank (sharding.py)
+        self.broken: str | None = None  # why the ranks were stopped half-way (abort); every step then fails
         self._threads: int | None = None  # the process's intra-op threads before the ranks split them
+        self._group = False  # this object made the process group (and alone may end it)
         # The collectives this rank has run and their bytes (profile-decode reads them; a CUDA
         # graph's replays run its all-reduces without passing here, so on CUDA only eager steps count).
         self.counts: Counter[str] = Counter()
@@ -66,8 +81,8 @@ class TensorParallel:
         return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("STAGEWISE_TP_WORKER") == "1"
 
     def _join(self, device: torch.device) -> None:
-        """Join the process group: as one of torchrun's ranks, or as rank 0 of a launch that
-        starts its own workers (`spawn_workers`, called by the engine once it knows their job)."""
+        """Find the process group: as one of torchrun's ranks, or as rank 0 of a launch that
+        starts its own ranks (`start`, called by the engine once it knows their job)."""
         if self.launched_by_torchrun:
             if int(os.environ.get("WORLD_SIZE", 0)) != self.size:
                 raise ValueError(f"tensor_parallel_size {self.size}, but the launch has {os.environ.get('WORLD_SIZE')} ranks")
@@ -98,7 +113,14 @@ class TensorParallel:
                 p = ctx.Process(target=_worker_main, args=({**env, "RANK": str(rank)}, job), daemon=True)
                 p.start()
                 self.workers.append(p)
-        dist.init_process_group(self.backend, rank=self.rank, world_size=self.size, timeout=TIMEOUT)
+        dist.init_process_group(self.backend, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT)
+        self._group = True
+        # Two groups of the same ranks, for two kinds of waiting. The model's collectives give up
+        # on a rank that died after a minute. The steps go over a gloo group of their own (vLLM's
+        # "CPU group"), where a follower waits as long as rank 0 has nothing to run, and a step
+        # never touches a GPU.
+        self.compute = dist.new_group(backend=self.backend, timeout=collective_timeout())
+        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
     # ---- the collectives the model calls (identity at size 1) -------------------------------
 
@@ -108,7 +130,7 @@ class TensorParallel:
             self.counts["all_reduce"] += 1
             self.counts["all_reduce_bytes"] += t.numel() * t.element_size()
             with record_function("tensor_parallel::all_reduce"):  # a profile's span: the wait for the others included
-                dist.all_reduce(t)
+                dist.all_reduce(t, group=self.compute)
         return t
 
     def gather_last(self, t: Tensor) -> Tensor:
@@ -121,7 +143,7 @@ class TensorParallel:
         self.counts["gather"] += 1
         self.counts["gather_bytes"] += t.numel() * t.element_size() * self.size
         with record_function("tensor_parallel::gather"):
-            dist.gather(t, parts, dst=0)
+            dist.gather(t, parts, dst=0, group=self.compute)
         return torch.cat(parts, dim=-1) if parts is not None else t
 
     def logits_width(self, vocab: int) -> int:
@@ -132,36 +154,50 @@ class TensorParallel:
 
     def send(self, message: Any) -> None:
         """Rank 0: what every other rank must run now (a step's inputs, or STOP)."""
-        if self.size > 1:
-            for p in self.workers:
-                if not p.is_alive():
-                    raise RuntimeError(f"tensor parallel: rank {self.workers.index(p) + 1} died "
-                                       f"(exit code {p.exitcode})")
-            self.counts["broadcast"] += 1
-            self.counts["broadcast_bytes"] += len(pickle.dumps(message))  # what the broadcast pickles and sends
-            with record_function("tensor_parallel::broadcast"):
-                dist.broadcast_object_list([message], src=0)
+        if self.size == 1:
+            return
+        if self.broken:
+            raise RuntimeError(self.broken)
+        for rank, p in enumerate(self.workers, start=1):
+            if not p.is_alive():
+                self.abort(f"tensor parallel: rank {rank} died (exit code {p.exitcode}); the others were stopped")
+                raise RuntimeError(self.broken)
+        self.counts["broadcast"] += 1
+        self.counts["broadcast_bytes"] += len(pickle.dumps(message))  # what the broadcast pickles and sends
+        with record_function("tensor_parallel::broadcast"):
+            dist.broadcast_object_list([message], src=0, group=self.control)
 
     def follow(self, run: Callable[[Any], None]) -> None:
         """The other ranks: run every step rank 0 sends, until it sends STOP (or dies)."""
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.control)
             if box[0] == STOP:
                 return
             run(box[0])
 
+    def abort(self, reason: str) -> None:
+        """Stop the ranks this process started, at once and without a collective: a step failed
+        half-way (the ranks are no longer in step), or one is still running. Every later step fails
+        with `reason`. (Under torchrun the others end when their next collective times out.)"""
+        self.broken = reason
+        for p in self.workers:
+            p.kill()
+            p.join(10)
+
     def close(self) -> None:
+        """Rank 0: tell the other ranks to stop, wait for them, and end the process group."""
         global _ACTIVE
         if _ACTIVE is self:
             _ACTIVE = None
-        if self.size > 1 and dist.is_initialized():
-            if self.rank == 0:
+        if self._group and dist.is_initialized():
+            if self.rank == 0 and not self.broken:
                 try:
                     self.send(STOP)
                 except (RuntimeError, OSError):
                     pass  # a rank died: there is nobody left to stop
             dist.destroy_process_group()
+        self._group = False
         for p in self.workers:
             p.join(10)
             if p.is_alive():
@@ -177,7 +213,9 @@ class TensorParallel:
 def rank_device(device: str) -> str:
     """This rank's device: under torchrun (or a launch of our own) a GPU rank takes its local
     rank's GPU; a CPU is shared."""
-    if device.startswith("cuda") and "LOCAL_RANK" in os.environ:
+    from common.loader import resolve_device
+
+    if resolve_device(device).type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         return f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return device

@@ -187,6 +187,42 @@ def test_two_torchrun_nodes_on_localhost(tiny, hf_greedy) -> None:
     assert expected.strip() in printed[0]
 
 
+def test_an_idle_engine_outlives_the_collectives_timeout(tp_tiny, monkeypatch) -> None:
+    """The other ranks wait for rank 0's next step as long as it has none: a served engine may
+    idle for hours. (A collective of the model still times out: here after 2 s.)"""
+    import time
+
+    monkeypatch.setenv("STAGEWISE_TP_TIMEOUT_S", "2")
+    engine = s14.InferenceEngine(tp_tiny, max_batch_size=2, block_size=BS, tensor_parallel_size=2)
+    try:
+        first = _generate(engine, [_ids(5, seed=3)], 4)
+        time.sleep(4)
+        assert _generate(engine, [_ids(5, seed=3)], 4) == first
+    finally:
+        engine.close()
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_every_later_step(tp_tiny) -> None:
+    """Rank 0 fails inside a step the others have started: they may be in its collectives, out of
+    step for good. The ranks are stopped, and every later step fails with the reason."""
+    engine = s14.InferenceEngine(tp_tiny, max_batch_size=2, block_size=BS, tensor_parallel_size=2)
+    execute = engine._execute
+
+    def fail_once(step, graphs):
+        engine._execute = execute
+        raise MemoryError("no room")
+
+    try:
+        engine._execute = fail_once
+        with pytest.raises(MemoryError):
+            _generate(engine, [_ids(5, seed=4)], 3)
+        assert not any(p.is_alive() for p in engine.tp.workers)
+        with pytest.raises(RuntimeError, match="out of step"):
+            _generate(engine, [_ids(5, seed=5)], 3)
+    finally:
+        engine.close()
+
+
 def test_the_other_ranks_exit_when_rank_0_dies() -> None:
     """Rank 0 killed without closing: its rank waits in the step broadcast, sees the connection
     drop, and exits (it never runs on alone, holding its memory)."""
