@@ -173,7 +173,7 @@ def shared_process(engines: int | None) -> dict:
 KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache max concurrency",
                "num_kv_blocks": "KV blocks", "prefill_max_batch_size": "Prefill max batch size",
                "max_num_batched_tokens": "Max num batched tokens", "max_cudagraph_capture_size": "Max CUDA graph batch",
-              "tensor_parallel_size": "Tensor parallel size"}
+               "tensor_parallel_size": "Tensor parallel size"}
 
 
 def knob_header(spec: EngineSpec) -> dict:

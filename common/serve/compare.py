@@ -72,24 +72,18 @@ def server_commands(a: argparse.Namespace, model_path: Path, device: str, dtype:
     the burst, and no prefix cache (the runs repeat one burst; vLLM's is switched off too)."""
     batch = a.max_batch_size or a.num_requests
     if a.against == "vllm":  # its CLI script looks for a distribution named `vllm`: the module runs as it is
-        return {
-            "stagewise": stagewise_command(a, device, dtype, batch, port),
-            "vllm": [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-                     "--served-model-name", a.model, "--dtype", dtype, "--max-num-seqs", str(batch),
-                     "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)],
-        }
+        theirs = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+                  "--served-model-name", a.model, "--dtype", dtype, "--max-num-seqs", str(batch),
+                  "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        theirs = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_path),
+                  "--continuous-batching", "--device", device, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     return {
-        "stagewise": stagewise_command(a, device, dtype, batch, port),
-        "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_path),
-                         "--continuous-batching", "--device", device, "--dtype", dtype,
-                         "--host", "127.0.0.1", "--port", str(port)],
+        "stagewise": [sys.executable, "-m", "common.cli", "serve", "--stage", a.stage, "--model", a.model,
+                      "--device", device, "--dtype", dtype, "--max-batch-size", str(batch), "--no-prefix-cache",
+                      "--host", "127.0.0.1", "--port", str(port)],
+        a.against: theirs,
     }
-
-
-def stagewise_command(a: argparse.Namespace, device: str, dtype: str, batch: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "common.cli", "serve", "--stage", a.stage, "--model", a.model, "--device", device,
-            "--dtype", dtype, "--max-batch-size", str(batch), "--no-prefix-cache", "--host", "127.0.0.1",
-            "--port", str(port)]
 
 
 def server_env(a: argparse.Namespace, side: str) -> dict[str, str]:

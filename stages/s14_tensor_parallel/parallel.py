@@ -58,10 +58,9 @@ class TensorParallel:
         self.size = size
         self.rank = int(os.environ.get("RANK", 0)) if size > 1 else 0
         if device.type == "cuda" and size > 1:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", size)) if self.launched_by_torchrun else size
-            if local > torch.cuda.device_count():
+            if self.local_ranks > torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel_size {size}: more ranks than GPUs on this machine "
-                                 f"({local} > {torch.cuda.device_count()})")
+                                 f"({self.local_ranks} > {torch.cuda.device_count()})")
             if not self.launched_by_torchrun and (device.index or 0) != 0:
                 raise ValueError(f"tensor_parallel_size {size}: the ranks take cuda:0 to cuda:{size - 1}; "
                                  f"load the model on cuda:0, not {device}")
@@ -79,6 +78,11 @@ class TensorParallel:
     @property
     def launched_by_torchrun(self) -> bool:
         return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("STAGEWISE_TP_WORKER") == "1"
+
+    @property
+    def local_ranks(self) -> int:
+        """The ranks on this machine: torchrun's count here, or every rank of a launch of our own."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.size)) if self.launched_by_torchrun else self.size
 
     def _join(self, device: torch.device) -> None:
         """Find the process group: as one of torchrun's ranks, or as rank 0 of a launch that
@@ -102,8 +106,7 @@ class TensorParallel:
             return
         if self.backend == "gloo":  # CPU ranks share this machine's cores: each takes its part of the threads
             self._threads = torch.get_num_threads()
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))  # torchrun's ranks on this machine
-            torch.set_num_threads(max(1, self._threads // local_ranks))
+            torch.set_num_threads(max(1, self._threads // self.local_ranks))
         if not self.launched_by_torchrun:
             ctx = mp.get_context("spawn")
             env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}

@@ -59,6 +59,7 @@ class ShardReader(Mapping[str, Tensor]):
         self.config, self.rank, self.size = config, rank, size
         self._files = [safe_open(str(path / name), framework="pt") for name in safetensors_files(path)]
         self._file_of = {name: f for f in self._files for name in f.keys()}
+        self.rules = self._rules()
         self.bytes_read = 0
 
     def __iter__(self) -> Iterator[str]:
@@ -69,6 +70,10 @@ class ShardReader(Mapping[str, Tensor]):
 
     def rule(self, name: str) -> tuple[int, list[Span]] | str:
         """How rank r cuts the tensor `name`: (dimension, spans to join), or WHOLE, BIAS_ON_RANK_0, VOCAB."""
+        return next((rule for suffix, rule in self.rules.items() if name.endswith(suffix)), WHOLE)
+
+    def _rules(self) -> dict[str, tuple[int, list[Span]] | str]:
+        """This rank's cut of every kind of tensor, by the end of its Hugging Face name."""
         c, n, r = self.config, self.size, self.rank
 
         def mine(total: int, offset: int = 0) -> Span:  # rank r's 1/n of `total` values, from `offset`
@@ -76,7 +81,7 @@ class ShardReader(Mapping[str, Tensor]):
 
         q, kv, inner = mine(c.num_heads * c.head_dim), mine(c.num_kv_heads * c.head_dim), mine(c.intermediate_size)
         E = c.num_heads * c.head_dim
-        rules: dict[str, tuple[int, list[Span]] | str] = {
+        return {
             # Llama: nn.Linear stores [out, in]: column-parallel cuts rows (dim 0), row-parallel columns (dim 1)
             ".q_proj.weight": (0, [q]), ".q_proj.bias": (0, [q]),
             ".k_proj.weight": (0, [kv]), ".k_proj.bias": (0, [kv]),
@@ -91,7 +96,6 @@ class ShardReader(Mapping[str, Tensor]):
             ".mlp.c_proj.weight": (0, [inner]), ".mlp.c_proj.bias": BIAS_ON_RANK_0,
             "embed_tokens.weight": VOCAB, "wte.weight": VOCAB, "lm_head.weight": VOCAB,
         }
-        return next((rule for suffix, rule in rules.items() if name.endswith(suffix)), WHOLE)
 
     def __getitem__(self, name: str) -> Tensor:
         whole = self._file_of[name].get_slice(name)  # nothing read yet
