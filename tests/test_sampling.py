@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
 )
 
 from common.requests import SamplingParams
-from common.sampling import _filter_top_k_top_p, make_generator, sample_tokens
+from common.sampling import PICK_CHUNK, _filter_top_k_top_p, greedy_pick, make_generator, sample_tokens
 
 
 def _sampled(**kw) -> SamplingParams:
@@ -39,6 +39,26 @@ def test_greedy_is_argmax() -> None:
     assert sample_tokens(tie, [SamplingParams()]) == [1]  # first maximum, like torch.argmax
     half = torch.randn(3, 50).to(torch.bfloat16)
     assert sample_tokens(half, [SamplingParams()] * 3) == torch.argmax(half.float(), dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [PICK_CHUNK - 1, 2 * PICK_CHUNK, 49152, 50257])
+def test_greedy_pick_is_argmax_with_ties_and_nan(vocab: int) -> None:
+    """The chunked pick gives argmax's index on every row: ties across chunks, inside a chunk,
+    between a chunk and the tail (the earlier wins), a maximum in the tail, NaN (sorts above)."""
+    torch.manual_seed(0)
+    scores = torch.randn(12, vocab)
+    scores[0, [3, vocab - 1]] = 9.0  # a tie between the first chunk and the last entry
+    c = min(PICK_CHUNK, vocab // 2)
+    scores[1, [c + 5, c + 7]] = 9.0  # a tie inside one chunk
+    scores[2, vocab - 1] = 9.0  # the maximum is the last entry (in the tail when there is one)
+    scores[3, [vocab // 2, vocab - 2]] = 9.0  # a tie between a middle chunk and the tail
+    scores[4, vocab - 3] = float("nan")
+    scores[5, [7, vocab - 1]] = float("nan")
+    scores[6] = 0.0  # every entry equal
+    scores[7, [1, vocab // 2]] = float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = scores.to(dtype)
+        assert greedy_pick(x).tolist() == torch.argmax(x, dim=-1).tolist(), dtype
 
 
 def test_seeded_sampling_reproduces_and_seeds_differ() -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from common.linear import linear
+from common.sampling import greedy_pick
 
 
 def decode_batch(max_batch_size: int, num_requests: int) -> int:
@@ -131,7 +132,7 @@ def attention_free_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, re
     first = torch.zeros(batch, dtype=torch.long, device=device)  # [B]: the only token of each row
 
     def step() -> None:
-        model(ids, positions, _no_attention, logits_indices=first).argmax(-1)  # [B]
+        greedy_pick(model(ids, positions, _no_attention, logits_indices=first).float())  # [B], as sample_tokens picks
 
     return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
 
