@@ -20,6 +20,7 @@ import importlib
 import sys
 
 from common import stages as registry
+from common.bench.flags import DTYPE_HELP
 
 
 def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stage", default=str(max(registry.STAGES)), help="stage number or name (default: newest)")
     gen.add_argument("--model", default="smollm2-135m")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

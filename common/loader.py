@@ -15,6 +15,7 @@ Names:
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ class LoadedModel:
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
+    dtype_reason: str = ""  # why this dtype (see choose_dtype): reports and result JSON print it
 
 
 def cache_root() -> Path:
@@ -77,20 +79,57 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None = bf16 on CUDA (fp16 where bf16 is unsupported), fp32 elsewhere."""
-    if dtype is None:
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+def cpu_has_bf16_units() -> bool:
+    """Does this CPU multiply bf16 in hardware? x86: AVX512-BF16 or AMX tiles (Intel since Cooper
+    Lake / Sapphire Rapids, AMD since Zen 4); Arm: the BF16 extension (Graviton 3, Neoverse V1+).
+
+    Why it matters: there oneDNN runs a bf16 matmul at twice fp32's rate or more, on half the
+    bytes; elsewhere bf16 is emulated and slower than fp32. (oneDNN's own "bf16 supported" check
+    on x86 says yes to any AVX-512 CPU, emulation included, so it is asked on Arm only.)"""
+    cpu = torch.cpu
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):  # private, so looked up
+        if getattr(cpu, probe, lambda: False)():
+            return True
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def choose_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to run in, and why (a line for the reports).
+
+    None = the device's default: bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on a CPU,
+    where every stage's tokens equal transformers' fp32 ones (the parity tests), so the numbers
+    of a bench are those of the exact engine. "auto" = the fastest precision the hardware runs
+    natively, as vLLM's `--dtype auto` picks: bf16 on CUDA, and on a CPU with bf16 matmul units
+    (`cpu_has_bf16_units`); fp32 elsewhere. Anything else is taken as asked (ValueError naming
+    `dtype` when unsupported)."""
+    cuda = device.type == "cuda"
+    if dtype is None or dtype == "auto":
+        how = "auto" if dtype == "auto" else "default"
+        if cuda:
+            bf16 = torch.cuda.is_bf16_supported()
+            return (torch.bfloat16, f"{how}: bfloat16 on CUDA") if bf16 else (
+                torch.float16, f"{how}: float16 on CUDA (this GPU has no bfloat16)")
+        units = device.type == "cpu" and cpu_has_bf16_units()
+        if dtype == "auto":
+            return (torch.bfloat16, "auto: bfloat16, this CPU has bf16 matmul units") if units else (
+                torch.float32, f"auto: float32, {'this CPU has no bf16 matmul units' if device.type == 'cpu' else device.type}")
+        hint = " (--dtype auto would pick bfloat16: this CPU has bf16 matmul units)" if units else ""
+        return torch.float32, f"default: float32 on {device.type}, exact against transformers{hint}"
     if isinstance(dtype, str):
         key = dtype.removeprefix("torch.")
         if key not in _DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not supported (use one of {', '.join(_DTYPES)})")
-        return _DTYPES[key]
+            raise ValueError(f"dtype: {dtype!r} is not supported (use auto or one of {', '.join(_DTYPES)})")
+        dtype = _DTYPES[key]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: {dtype!r} is not supported (float32, bfloat16 or float16)")
-    return dtype
+    return dtype, f"asked: {str(dtype).removeprefix('torch.')}"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype `choose_dtype` picks, without its reason."""
+    return choose_dtype(dtype, device)[0]
 
 
 def load_model(
@@ -101,7 +140,7 @@ def load_model(
     `weights=False` loads the config and tokenizer only (`model` is None): a tensor-parallel rank
     reads its own share of the weights from `path` (stage 14)."""
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt, why = choose_dtype(dtype, dev)
     path = model_dir(name_or_path)
     from transformers import AutoTokenizer
 
@@ -111,6 +150,7 @@ def load_model(
     return LoadedModel(
         name=str(name_or_path), path=path, model=model, tokenizer=tokenizer,
         config=model.config if model is not None else ModelConfig.from_pretrained(path), device=dev, dtype=dt,
+        dtype_reason=why,
     )
 
 

@@ -56,7 +56,8 @@ def fake_model(hidden: int = 8, layers: int = 2, vocab: int = 32) -> types.Simpl
 def fake_loaded():
     config = types.SimpleNamespace(max_position_embeddings=512, eos_token_ids=(2,))
     return types.SimpleNamespace(name="fake", path=Path("/nonexistent"), tokenizer=FakeTokenizer(), config=config,
-                                 device=torch.device("cpu"), dtype=torch.float32, model=fake_model())
+                                 device=torch.device("cpu"), dtype=torch.float32, dtype_reason="asked: float32",
+                                 model=fake_model())
 
 
 class FakeEngine:
@@ -287,7 +288,7 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
     run_stage_bench("fake_s02", ["--compare", "--baseline", "hf", "--warmup-runs", "1", "--repeat-runs", "2",
                                  "--block-size", "32", "--same-process", "--json", str(out)])
     data = json.loads(out.read_text())
-    for key in ("stage", "model", "device", "dtype", "config", "env", "requests", "prompt_tokens",
+    for key in ("stage", "model", "device", "dtype", "dtype_reason", "config", "env", "requests", "prompt_tokens",
                 "completion_tokens", "wall_s", "throughput_tok_s", "kv", "runs", "compare", "ratios", "correctness",
                 "decode_step_ms", "floor_ms", "floor_batch", "x_floor", "process"):
         assert key in data, key

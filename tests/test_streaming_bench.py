@@ -140,7 +140,8 @@ def _loaded():
     config = types.SimpleNamespace(max_position_embeddings=512, eos_token_ids=(2,))
     from tests.test_bench import fake_model
     return types.SimpleNamespace(name="fake", path=Path("/nonexistent"), tokenizer=FakeTokenizer(), config=config,
-                                 device=torch.device("cpu"), dtype=torch.float32, model=fake_model())
+                                 device=torch.device("cpu"), dtype=torch.float32, dtype_reason="asked: float32",
+                                 model=fake_model())
 
 
 def _requests(n: int, max_new_tokens: int = 2) -> list[Request]:

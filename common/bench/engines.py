@@ -191,8 +191,13 @@ def knob_header(spec: EngineSpec) -> dict:
     return header
 
 
+def dtype_line(loaded) -> str:
+    """The report's dtype, and why it was picked (`common.loader.choose_dtype`)."""
+    return f"{str(loaded.dtype).replace('torch.', '')} ({loaded.dtype_reason})" if loaded.dtype_reason else str(loaded.dtype)
+
+
 def offline_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
-    return {"Model": loaded.name, "Device": str(loaded.device), "Dtype": str(loaded.dtype).replace("torch.", ""),
+    return {"Model": loaded.name, "Device": str(loaded.device), "Dtype": dtype_line(loaded),
             "Engine": spec.name, "Mode": "offline generate()", "Workload": describe_workload(args),
             "Max batch size": args.max_batch_size, **knob_header(spec),
             "Repeats": f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"}

@@ -19,6 +19,10 @@ from typing import Any
 
 from common.bench.workloads import build_workload
 
+# --dtype of every command (common.loader.choose_dtype does the picking)
+DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU with bf16 matmul units) | "
+              "float32 | bfloat16 | float16; default: bfloat16 on CUDA, float32 on a CPU")
+
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
                 "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens",
                 "max_cudagraph_capture_size", "tensor_parallel_size")
@@ -127,7 +131,7 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", default=None, help=DTYPE_HELP)
     g.add_argument("--seed", type=int, default=0, help="workload RNG and torch seed")
     g = p.add_argument_group("workload")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,

@@ -95,7 +95,7 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     if len(results) > 1:
         print(format_comparison(results), flush=True)
     out = {"stage": registry.short_name(stage_package), "model": loaded.name, "device": str(loaded.device),
-           "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(args),
+           "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason, "config": vars(args),
            "env": collect_env(loaded.device), **results[0], "compare": results[1:],
            "ratios": comparison_ratios(results), "correctness": correctness, "notes": notes}
     if args.json:

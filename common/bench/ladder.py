@@ -121,7 +121,7 @@ def run_ladder(argv: list[str] | None = None) -> dict:
     tag = None if args.tag is None else (args.tag or args.workload)
     data = {
         "command": "stagewise ladder " + shlex.join(argv), "model": loaded.name, "device": device,
-        "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(args),
+        "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason, "config": vars(args),
         "env": collect_env(loaded.device),
         "workload": {"name": args.workload, "description": describe(args.workload, kw), "shows": WORKLOADS[args.workload][0],
                      "kwargs": kw, "requests": len(requests), "prompt_tokens": first.get("prompt_tokens"),

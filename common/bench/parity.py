@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+from common.bench.flags import DTYPE_HELP
 
 PROMPTS = [
     "Hello",
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--stages", default="all", help="comma-separated numbers, or all")
     p.add_argument("--random-prompts", type=int, default=8, help="random-token prompts beside the text ones")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -128,7 +129,7 @@ def measure(a: argparse.Namespace) -> dict:
         print(f"{registry.short_name(package):28s} identical {result['identical']:2d}/{result['requests']}, "
               f"agreement {100 * result['agreement']:5.1f} %", flush=True)
     return {"kind": "parity", "model": loaded.name, "device": str(loaded.device),
-            "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a),
+            "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason, "config": vars(a),
             "reference": "transformers generate, greedy, one prompt at a time, same weights, dtype and device",
             "prompt_lengths": [len(p) for p in prompts], "reference_lengths": [len(r) for r in reference],
             "entries": entries}

@@ -51,6 +51,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+from common.bench.flags import DTYPE_HELP
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", default="9")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--batch", type=int, default=16, help="requests in the batch (one decode row each)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="stage 14: ranks the model is split across (the profile is rank 0's)")
@@ -126,7 +127,8 @@ def stage_engine(a: argparse.Namespace, knobs: dict) -> tuple[str, Any, Any]:
 def result_head(kind: str, package: str, loaded: Any, a: argparse.Namespace) -> dict:
     """The fields a profile's result opens with: what ran, on which model, device and dtype, and its flags."""
     return {"kind": kind, "stage": package.rsplit(".", 1)[-1], "model": loaded.name, "device": str(loaded.device),
-            "dtype": str(loaded.dtype).replace("torch.", ""), "config": vars(a)}
+            "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason,
+            "config": vars(a)}
 
 
 def by_group(ops: list[dict], key: str = "ms_per_step") -> dict[str, float]:
@@ -280,6 +282,7 @@ def measure(a: argparse.Namespace) -> dict:
 
 def format_profile(r: dict, top: int) -> str:
     lines = [f"=== decode step profile: {r['stage']} on {r['model']} ({r['device']}, {r['dtype']}) ===",
+             *([f"Dtype: {r['dtype_reason']}"] if r.get("dtype_reason") else []),
              f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
              f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
              f"x floor {r['x_floor']:.2f}",

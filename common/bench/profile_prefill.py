@@ -36,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+from common.bench.flags import DTYPE_HELP
 from common.bench.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
 
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", default="9")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--prompt-len", type=int, default=2000, help="random prompt tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills (after one warm-up)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

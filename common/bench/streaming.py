@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from common.bench.engines import EngineSpec, knob_header, run_engines
+from common.bench.engines import EngineSpec, dtype_line, knob_header, run_engines
 from common.bench.flags import accepted, describe_workload, manager_knobs
 from common.bench.metrics import percentiles, summarize
 
@@ -187,7 +187,7 @@ def run_streaming_engines(specs: list[EngineSpec], requests: list, args: argpars
 
 def streaming_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
     manager_takes_prefill = accepted(spec.module.SchedulerManager, {"prefill_max_batch_size": 0})
-    header = {"Model": loaded.name, "Device": str(loaded.device), "Dtype": str(loaded.dtype).replace("torch.", ""),
+    header = {"Model": loaded.name, "Device": str(loaded.device), "Dtype": dtype_line(loaded),
               "Engine": spec.name, "Mode": "streaming (SchedulerManager)", "Workload": describe_workload(args),
               "Pretok": args.pretok or args.prompt_len_min is not None or bool(args.shared_prefix_len),
               "Pretok base token ids": True if args.pretok_base_token_ids else None,

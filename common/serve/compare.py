@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from common.bench.results import write_json
+from common.bench.flags import DTYPE_HELP
 from common.bench.envinfo import REPO_ROOT, collect_env
 from common.bench.report import comparison_ratios, format_comparison
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", default=str(max(registry.STAGES)), help="a stage with a SchedulerManager (04+)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help="default: the device's (float32 on a CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--prompt", default="Hello", help="each request sends it with ' #i' appended")
     p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -188,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     against = {"name": other}
     if other == "vllm":
         against.update(version=vllm_version(a.vllm_python), python=a.vllm_python, env=server_env(a, "vllm"))
-    from common.loader import model_dir, resolve_device, resolve_dtype
+    from common.loader import choose_dtype, model_dir, resolve_device
     device = resolve_device(a.device)
-    dtype = str(resolve_dtype(a.dtype, device)).removeprefix("torch.")
+    torch_dtype, dtype_reason = choose_dtype(a.dtype, device)
+    dtype = str(torch_dtype).removeprefix("torch.")
     path = model_dir(a.model)  # converted once here, before either server starts
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
           f" ({'the same work' if same else 'NOT the same work: compare per token, not per run'})", flush=True)
     if a.json:
         write_json(a.json, {"kind": "serve-compare", "command": shlex.join(["stagewise", "serve-compare", *argv]),
-                            "stage": stage, "model": a.model, "device": device.type, "dtype": dtype,
+                            "stage": stage, "model": a.model, "device": device.type, "dtype": dtype, "dtype_reason": dtype_reason,
                             "against": against,
                             "config": vars(a), "env": collect_env(device.type), "same_completion_tokens": same,
                             "ratios": comparison_ratios([ours, theirs])[theirs["engine"]],

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from common.threads import run_at_idle_priority
+from common.bench.flags import DTYPE_HELP
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
     g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
     add_engine_knob_args(g)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bench.results import write_json
+from common.bench.flags import DTYPE_HELP
 from common.bench.envinfo import REPO_ROOT, collect_env
 from common.bench.report import format_comparison
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", default="9")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--prompt", default="Hello")
     p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests")
     p.add_argument("--max-new-tokens", type=int, default=128)
