@@ -130,6 +130,12 @@ def test_env_line_names_the_cpu_generation_and_kernels_where_recorded() -> None:
     assert "CPU AMD EPYC · 2 threads" in results.env_line({"env": {"cpu_model": "AMD EPYC", "torch_threads": 2}})
 
 
+def test_env_line_says_which_dtype_and_why() -> None:
+    data = {"env": {}, "model": "smollm2-135m", "dtype": "bfloat16", "dtype_reason": "auto: bfloat16, this CPU has bf16 matmul units"}
+    assert results.env_line(data).endswith("model `smollm2-135m` bfloat16 (auto: bfloat16, this CPU has bf16 matmul units)")
+    assert results.env_line({"env": {}, "model": "tiny", "dtype": "float32"}).endswith("model `tiny` float32")
+
+
 def test_bench_results_table_from_sample_json() -> None:
     data = _sample()
     md = results.render_bench_results(REPO, SAMPLE, "stages/02-kv-cache.md")
@@ -230,6 +236,13 @@ def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
     ratio = s01["ttft_ms"]["p50"] / data["ttft_ms"]["p50"]
     assert results.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 ttft_ms.p50") \
         == f"{ratio:.2f}×"
+    # across two files: a key of one over a key of the other (here the same file twice)
+    assert results.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 {SAMPLE} ttft_ms.p50") \
+        == f"{ratio:.2f}×"
+    assert results.render_bench_ratio(tmp_path, "docs/results/none.json ttft_ms.p50 docs/results/none.json ttft_ms.p50") \
+        == "*pending*"
+    with pytest.raises(results.DocsError, match="bench-ratio: expected"):
+        results.render_bench_ratio(REPO, f"{SAMPLE} ttft_ms.p50")
     with pytest.raises(results.DocsError, match="no key"):
         results.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p42")
     with pytest.raises(results.DocsError, match="not a number"):

@@ -26,6 +26,7 @@ Inline directives (anywhere in a line, e.g. a table cell):
     <!-- bench-value: docs/results/X.json ttft_ms.p99 -->              one number, 2 decimals
     <!-- bench-value: docs/results/X.json kv_bytes KiB -->             in KiB, MiB, or % (a share x 100)
     <!-- bench-ratio: docs/results/X.json compare.s06_x.ttft_ms.p99 ttft_ms.p99 -->   a / b as "2.17×"
+    <!-- bench-ratio: docs/results/X.json KEY docs/results/Y.json KEY -->          the same across two files
 
 Key paths are dotted; a list is indexed by position (`compare.0`) or by the `engine` name of
 its entry (`compare.s06_prefill_microbatching`). A missing result file never fails the build

@@ -245,7 +245,8 @@ def env_line(data: dict) -> str:
         bits.append(f"measured {when}")
     model = data.get("model")
     if model:
-        bits.append(f"model `{model}` {data.get('dtype') or ''}".rstrip())
+        why = f" ({data['dtype_reason']})" if data.get("dtype_reason") else ""  # how --dtype chose it
+        bits.append(f"model `{model}` {data.get('dtype') or ''}".rstrip() + why)
     return " · ".join(bits) if bits else "not recorded"
 
 
@@ -456,10 +457,13 @@ def render_bench_value(root: Path, args: str) -> str:
 
 def render_bench_ratio(root: Path, args: str) -> str:
     parts = args.split()
-    if len(parts) != 3:
-        raise DocsError(f"bench-ratio: expected 'PATH NUMERATOR_KEY DENOMINATOR_KEY', got {args!r}")
-    data = load_result(root, parts[0])
-    if data is None:
+    if len(parts) == 3:  # both keys in one file
+        parts = [parts[0], parts[1], parts[0], parts[2]]
+    if len(parts) != 4:
+        raise DocsError(f"bench-ratio: expected 'PATH NUMERATOR_KEY DENOMINATOR_KEY' or "
+                        f"'PATH NUMERATOR_KEY PATH DENOMINATOR_KEY', got {args!r}")
+    num_data, den_data = load_result(root, parts[0]), load_result(root, parts[2])
+    if num_data is None or den_data is None:
         return "*pending*"
-    num, den = _number(data, parts[1], parts[0]), _number(data, parts[2], parts[0])
+    num, den = _number(num_data, parts[1], parts[0]), _number(den_data, parts[3], parts[2])
     return "—" if den == 0 else f"{num / den:.2f}×"
