@@ -90,8 +90,11 @@ def cpu_has_bf16_units() -> bool:
     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):  # private, so looked up
         if getattr(cpu, probe, lambda: False)():
             return True
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if platform.machine().lower() in ("aarch64", "arm64") and torch.backends.mkldnn.is_available():
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):  # a build without the op: no bf16 we can count on
+            return False
     return False
 
 
@@ -101,9 +104,9 @@ def choose_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tuple
     None = the device's default: bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on a CPU,
     where every stage's tokens equal transformers' fp32 ones (the parity tests), so the numbers
     of a bench are those of the exact engine. "auto" = the fastest precision the hardware runs
-    natively, as vLLM's `--dtype auto` picks: bf16 on CUDA, and on a CPU with bf16 matmul units
-    (`cpu_has_bf16_units`); fp32 elsewhere. Anything else is taken as asked (ValueError naming
-    `dtype` when unsupported)."""
+    natively: bf16 on CUDA, and on a CPU with bf16 matmul units (`cpu_has_bf16_units`; vLLM's
+    CPU backend runs bf16 there by default too); fp32 elsewhere. Anything else is taken as
+    asked (ValueError naming `dtype` when unsupported)."""
     cuda = device.type == "cuda"
     if dtype is None or dtype == "auto":
         how = "auto" if dtype == "auto" else "default"

