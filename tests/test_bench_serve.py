@@ -174,6 +174,6 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str) -> None:
         assert p["loop_cpu_us_per_request"] > 0 and p["loop_cpu_us_per_token"] > 0  # the event loop did the HTTP
     assert figures["loop_cpu_us_per_request"] > 0
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
-    assert result["env"]["git_commit"] and result["dtype"] == "float32"
+    assert result["env"]["git_commit"] and result["dtype"] == "float32" and result["dtype_reason"] == "asked: float32"
     assert result["engine_process"] is (where == "--engine-process") and result["config"]["engine_process"] is result["engine_process"]
 

@@ -43,6 +43,8 @@ def test_fp32_run_on_tiny_is_identical_for_every_stage_it_runs(tmp_path):
                         "--max-new-tokens", "6", "--max-batch-size", "3", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["kind"] == "parity" and result["dtype"] == "float32"
+    assert result["dtype_reason"].startswith("default: float32")  # parity's default: the exact engine
+    assert f"Dtype: {result['dtype_reason']}" in parity.format_parity(result)
     assert list(result["entries"]) == ["s02_kv_cache", "s03_paged_attention", "s09_batched_worker_lookups"]
     n = len(parity.PROMPTS) + 3
     for entry in result["entries"].values():

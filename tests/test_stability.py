@@ -26,8 +26,8 @@ def test_stability_runs_n_processes_and_writes_json(monkeypatch, tmp_path, capsy
 
     def fake_run_one(stage: str, bench_argv: list[str], index: int, out) -> dict:
         seen.append((stage, bench_argv, index))
-        return {"model": "tiny", "device": "cpu", "dtype": "float32", "config": {"num_requests": 4},
-                "env": {"git_commit": "abc"}, "throughput_tok_s": {"completion": [100.0, 110.0, 90.0][index]},
+        return {"model": "tiny", "device": "cpu", "dtype": "float32", "dtype_reason": "asked: float32",
+                "config": {"num_requests": 4}, "env": {"git_commit": "abc"}, "throughput_tok_s": {"completion": [100.0, 110.0, 90.0][index]},
                 "decode_step_ms": 5.0, "floor_ms": 2.0, "x_floor": 2.5, "process": {"pid": 1000 + index}}
 
     monkeypatch.setattr(stability, "run_one", fake_run_one)
@@ -37,6 +37,7 @@ def test_stability_runs_n_processes_and_writes_json(monkeypatch, tmp_path, capsy
     assert [s[2] for s in seen] == [0, 1, 2] and seen[0][1] == ["--model", "tiny", "--num-requests", "4"]
     data = json.loads(out.read_text())
     assert data["stage"] == "s09_batched_worker_lookups" and data["env"] == {"git_commit": "abc"}
+    assert data["dtype_reason"] == "asked: float32"
     assert data["config"]["processes"] == 3 and data["config"]["bench_config"] == {"num_requests": 4}
     assert [p["pid"] for p in data["processes"]] == [1000, 1001, 1002]
     assert data["summary"]["compl tok/s"]["median"] == 100.0

@@ -137,6 +137,7 @@ def measure(a: argparse.Namespace) -> dict:
 
 def format_parity(r: dict) -> str:
     lines = [f"=== greedy parity with transformers: {r['model']} ({r['device']}, {r['dtype']}) ===",
+             *([f"Dtype: {r['dtype_reason']}"] if r.get("dtype_reason") else []),
              f"{len(r['prompt_lengths'])} prompts of {min(r['prompt_lengths'])}-{max(r['prompt_lengths'])} tokens, "
              f"up to {r['config']['max_new_tokens']} new tokens each (EOS stops), batch {r['config']['max_batch_size']}",
              f"{'stage':28s} {'identical':>9s} {'first tok':>9s} {'agreement':>9s}  first differences (margin)"]

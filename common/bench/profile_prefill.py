@@ -155,6 +155,7 @@ def measure(a: argparse.Namespace) -> dict:
 
 def format_profile(r: dict, top: int) -> str:
     lines = [f"=== prefill profile: {r['stage']} on {r['model']} ({r['device']}, {r['dtype']}) ===",
+             *([f"Dtype: {r['dtype_reason']}"] if r.get("dtype_reason") else []),
              f"One {r['prompt_len']}-token prompt; {len(r['prefill_samples_ms'])} timed prefills",
              f"Prefill (no profiler): {r['prefill_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
              f"x floor {r['x_floor']:.2f}",

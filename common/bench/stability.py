@@ -137,7 +137,7 @@ def run_stability(argv: list[str]) -> dict:
     first = results[0]
     data = {"command": "stagewise stability " + shlex.join(argv), "stage": short_name(package),
             "model": first.get("model"), "device": first.get("device"), "dtype": first.get("dtype"),
-            "config": {"stage": stage, "processes": args.processes, "bench_argv": bench_argv,
+            "dtype_reason": first.get("dtype_reason"), "config": {"stage": stage, "processes": args.processes, "bench_argv": bench_argv,
                        "bench_config": first.get("config")},
             "env": first.get("env"), "processes": rows, "summary": summary, "results": results}
     print(format_table(data), flush=True)

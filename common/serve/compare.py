@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     label = "transformers serve (CB)" if other == "transformers" else f"vLLM {against['version']} (CPU)"
     theirs = combine(label, cmds[other], got[other])
     print(format_comparison([ours, theirs]), flush=True)
+    print(f"dtype: {dtype} ({dtype_reason}), both servers", flush=True)
     tokens = {side: sorted({run["completion_tokens"] for res in got[side] for run in res["runs"]}) for side in got}
     same = tokens["stagewise"] == tokens[other] and len(tokens["stagewise"]) == 1
     print(f"completion tokens per run: stagewise {tokens['stagewise']}, {other} {tokens[other]}"

@@ -303,8 +303,10 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
     engine = server.manager.engine  # an EngineInfo already when the engine has its own process
     info = engine if server.engine_process else EngineInfo.of(engine, server.stage)
     import torch
+    from common.loader import choose_dtype
     from common.serve.engine import worker_priority
     meta = {"stage": server.stage, "model": a.model, "device": info.device, "dtype": info.dtype,
+            "dtype_reason": choose_dtype(a.dtype, torch.device(info.device))[1],
             "engine_process": server.engine_process,
             "worker_priority": worker_priority(a.worker_priority, torch.device(info.device))}
     return {**http, "engine": "http"}, local, pairs, meta
