@@ -107,17 +107,17 @@ def choose_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tuple
     natively: bf16 on CUDA, and on a CPU with bf16 matmul units (`cpu_has_bf16_units`; vLLM's
     CPU backend runs bf16 there by default too); fp32 elsewhere. Anything else is taken as
     asked (ValueError naming `dtype` when unsupported)."""
-    cuda = device.type == "cuda"
     if dtype is None or dtype == "auto":
         how = "auto" if dtype == "auto" else "default"
-        if cuda:
-            bf16 = torch.cuda.is_bf16_supported()
-            return (torch.bfloat16, f"{how}: bfloat16 on CUDA") if bf16 else (
-                torch.float16, f"{how}: float16 on CUDA (this GPU has no bfloat16)")
+        if device.type == "cuda":
+            if torch.cuda.is_bf16_supported():
+                return torch.bfloat16, f"{how}: bfloat16 on CUDA"
+            return torch.float16, f"{how}: float16 on CUDA (this GPU has no bfloat16)"
         units = device.type == "cpu" and cpu_has_bf16_units()
+        if dtype == "auto" and units:
+            return torch.bfloat16, "auto: bfloat16, this CPU has bf16 matmul units"
         if dtype == "auto":
-            return (torch.bfloat16, "auto: bfloat16, this CPU has bf16 matmul units") if units else (
-                torch.float32, f"auto: float32, {'this CPU has no bf16 matmul units' if device.type == 'cpu' else device.type}")
+            return torch.float32, f"auto: float32, {'this CPU has no bf16 matmul units' if device.type == 'cpu' else device.type}"
         hint = " (--dtype auto would pick bfloat16: this CPU has bf16 matmul units)" if units else ""
         return torch.float32, f"default: float32 on {device.type}, exact against transformers{hint}"
     if isinstance(dtype, str):

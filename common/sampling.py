@@ -6,9 +6,9 @@ is vectorised over rows (per-row temperature/top-k/top-p tensors); only the fina
 `torch.multinomial` loops, because each request owns its seeded generator.
 
 Semantics follow Hugging Face `generate`, so parity tests and the HF baseline agree with us:
-greedy = the argmax of the float32 logits (`greedy_pick`: torch.argmax's answer, faster); sampling = temperature -> top-k -> top-p
-(`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, min_tokens_to_keep=1) ->
-softmax -> multinomial.
+greedy = the argmax of the float32 logits (`greedy_pick`: torch.argmax's answer, faster);
+sampling = temperature -> top-k -> top-p (`TemperatureLogitsWarper`, `TopKLogitsWarper`,
+`TopPLogitsWarper`, min_tokens_to_keep=1) -> softmax -> multinomial.
 """
 
 from __future__ import annotations

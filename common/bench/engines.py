@@ -193,7 +193,8 @@ def knob_header(spec: EngineSpec) -> dict:
 
 def dtype_line(loaded) -> str:
     """The report's dtype, and why it was picked (`common.loader.choose_dtype`)."""
-    return f"{str(loaded.dtype).replace('torch.', '')} ({loaded.dtype_reason})" if loaded.dtype_reason else str(loaded.dtype)
+    name = str(loaded.dtype).replace("torch.", "")
+    return f"{name} ({loaded.dtype_reason})" if loaded.dtype_reason else name
 
 
 def offline_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.bench.report import dtype_lines
+
 HF_ENGINES = ("hf_generate", "hf_continuous_batching")
 
 
@@ -25,7 +27,7 @@ def format_table(data: dict) -> str:
     head = (f"{'engine':26s} {'mode':9s} {'compl tok/s':>11s} {'total tok/s':>11s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
             f"{'TPOT p50':>9s} {'ITL p99':>9s} {'step ms':>8s} {'x floor':>7s} {'peak KV':>9s} {'x s01':>6s}  tokens")
     lines = [f"=== ladder: {data['model']} on {data['env']['device_name']} ({data['dtype']}) ===",
-             *([f"Dtype: {data['dtype_reason']}"] if data.get("dtype_reason") else []),
+             *dtype_lines(data),
              f"Workload: {data['workload']['description']}",
              f"Tokens per run: {data['workload']['prompt_tokens']} prompt + {data['workload']['completion_tokens']} "
              f"completion; max batch size {data['config']['max_batch_size']}",

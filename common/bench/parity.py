@@ -30,6 +30,7 @@ import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import DTYPE_HELP
+from common.bench.report import dtype_lines
 
 PROMPTS = [
     "Hello",
@@ -137,7 +138,7 @@ def measure(a: argparse.Namespace) -> dict:
 
 def format_parity(r: dict) -> str:
     lines = [f"=== greedy parity with transformers: {r['model']} ({r['device']}, {r['dtype']}) ===",
-             *([f"Dtype: {r['dtype_reason']}"] if r.get("dtype_reason") else []),
+             *dtype_lines(r),
              f"{len(r['prompt_lengths'])} prompts of {min(r['prompt_lengths'])}-{max(r['prompt_lengths'])} tokens, "
              f"up to {r['config']['max_new_tokens']} new tokens each (EOS stops), batch {r['config']['max_batch_size']}",
              f"{'stage':28s} {'identical':>9s} {'first tok':>9s} {'agreement':>9s}  first differences (margin)"]

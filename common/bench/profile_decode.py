@@ -52,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import DTYPE_HELP
+from common.bench.report import dtype_lines
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
@@ -282,7 +283,7 @@ def measure(a: argparse.Namespace) -> dict:
 
 def format_profile(r: dict, top: int) -> str:
     lines = [f"=== decode step profile: {r['stage']} on {r['model']} ({r['device']}, {r['dtype']}) ===",
-             *([f"Dtype: {r['dtype_reason']}"] if r.get("dtype_reason") else []),
+             *dtype_lines(r),
              f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
              f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
              f"x floor {r['x_floor']:.2f}",

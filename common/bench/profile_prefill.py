@@ -38,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import DTYPE_HELP
 from common.bench.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
+from common.bench.report import dtype_lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,7 +156,7 @@ def measure(a: argparse.Namespace) -> dict:
 
 def format_profile(r: dict, top: int) -> str:
     lines = [f"=== prefill profile: {r['stage']} on {r['model']} ({r['device']}, {r['dtype']}) ===",
-             *([f"Dtype: {r['dtype_reason']}"] if r.get("dtype_reason") else []),
+             *dtype_lines(r),
              f"One {r['prompt_len']}-token prompt; {len(r['prefill_samples_ms'])} timed prefills",
              f"Prefill (no profiler): {r['prefill_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
              f"x floor {r['x_floor']:.2f}",

@@ -10,6 +10,12 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
+
+def dtype_lines(result: dict) -> list[str]:
+    """The line a text report gives to why its dtype was picked (`common.loader.choose_dtype`),
+    or none where the result does not say."""
+    return [f"Dtype: {result['dtype_reason']}"] if result.get("dtype_reason") else []
+
 # (summary key, label, unit) in the posts' order.
 PERCENTILE_LINES: list[tuple[str, str, str]] = [
     ("submit_lag_ms", "Submit lag", "ms"),

@@ -31,10 +31,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common.bench.results import write_json
-from common.bench.flags import DTYPE_HELP
 from common.bench.envinfo import REPO_ROOT, collect_env
+from common.bench.flags import DTYPE_HELP
 from common.bench.report import comparison_ratios, format_comparison
+from common.bench.results import write_json
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both servers load a local directory
 START_TIMEOUT_S = 900.0  # a first run converts SmolLM2's GGUF; transformers' imports take a while too

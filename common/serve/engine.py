@@ -10,8 +10,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from common.threads import run_at_idle_priority
 from common.bench.flags import DTYPE_HELP
+from common.threads import run_at_idle_priority
 
 if TYPE_CHECKING:
     import torch

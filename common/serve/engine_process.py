@@ -54,12 +54,13 @@ class EngineInfo:
     max_model_len: int
     device: str
     dtype: str
+    dtype_reason: str  # why that dtype (common.loader.choose_dtype)
     stage: str
 
     @classmethod
     def of(cls, engine: Any, stage: str) -> "EngineInfo":
         return cls(engine.tokenizer, int(engine.max_model_len), str(engine.device),
-                   str(engine.model.lm_head_weight.dtype).replace("torch.", ""), stage)
+                   str(engine.model.lm_head_weight.dtype).replace("torch.", ""), engine.loaded.dtype_reason, stage)
 
 
 def send_or_drop(conn: Any, lock: threading.Lock, message: tuple) -> None:

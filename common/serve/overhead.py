@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.bench.results import write_json
-from common.bench.flags import DTYPE_HELP
 from common.bench.envinfo import REPO_ROOT, collect_env
+from common.bench.flags import DTYPE_HELP
 from common.bench.report import format_comparison
+from common.bench.results import write_json
 
 TARGETS = {"throughput_loss_pct": 10.0, "ttft_p50_added_ms": 5.0}
 
@@ -303,10 +303,9 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
     engine = server.manager.engine  # an EngineInfo already when the engine has its own process
     info = engine if server.engine_process else EngineInfo.of(engine, server.stage)
     import torch
-    from common.loader import choose_dtype
     from common.serve.engine import worker_priority
     meta = {"stage": server.stage, "model": a.model, "device": info.device, "dtype": info.dtype,
-            "dtype_reason": choose_dtype(a.dtype, torch.device(info.device))[1],
+            "dtype_reason": info.dtype_reason,
             "engine_process": server.engine_process,
             "worker_priority": worker_priority(a.worker_priority, torch.device(info.device))}
     return {**http, "engine": "http"}, local, pairs, meta
