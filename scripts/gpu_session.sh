@@ -6,7 +6,10 @@
 # The steps run in the order below, cheapest news first, each in its own processes (fresh
 # engines, as every result here is measured) under a `timeout` no longer than what is left of
 # SECONDS; one that fails or runs out is logged and the rest go on. A step that finished at this
-# commit in an earlier call is not run again. After every step the results so far (written into
+# commit in an earlier call is not run again, nor one listed in scripts/gpu_steps_done.txt (measured
+# at an earlier commit, its files committed, the code it measures unchanged since: delete its line
+# when that code changes). Test steps print each test's name as it starts and dump the stacks of
+# one that runs over a minute, so a log cut short still says where. After every step the results so far (written into
 # docs/results/cuda/) and the logs are packed into $OUT/results.tgz. Every engine is a fresh
 # process, about 25 s on an H200 before it measures anything: 470 s hold about twenty of them.
 #
@@ -45,7 +48,7 @@ pack() {  # everything written under $RESULTS since the first call, and the logs
 step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
     local name=$1 needs=$2 limit=$3 left rc t
     shift 3
-    if grep -qx "$name" "$DONE"; then return; fi
+    if grep -qsx "$name" "$DONE" scripts/gpu_steps_done.txt; then return; fi
     if [ "$needs" = smollm2 ] && [[ "$gguf_state" != ready* ]]; then
         echo "--- $name: waits for SmolLM2 (gguf: $gguf_state)"; return
     fi
@@ -63,6 +66,7 @@ step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
 }
 
 RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
+PYTEST="$PY -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10"
 G2=gpt2-random
 
 # Item 1: the newest stage, proven on the GPU first. Stage 12 (CUDA graphs): its tests and the
@@ -71,7 +75,7 @@ G2=gpt2-random
 # ladder's entries keep each engine's kv_stats: graphs, capture time, pool bytes), fp32 tokens
 # against transformers, a decode profile (kernel time against the step), post 052's shape, and
 # the 32x16 random-lengths ladder with transformers.
-step tests-s12-s13 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+step tests-s12-s13 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     stages/s12_cuda_graphs/test_stage.py stages/s13_preemption/test_stage.py tests/test_cuda.py \
     -k "s11 or s12 or s13 or stage12 or profiles or preempt or pool or admission or stream or cancel"
 for b in 64 16 1; do
@@ -93,10 +97,22 @@ step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --devic
 # Stage 13 (preemption) on its own workload: 64 chat questions, a KV pool for 8 at their worst.
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
+# Item 2: where the worker's time goes under post 052's load. At e5514d9 the worker was in decode
+# 96 % of the time, its median step 9.2 ms and its mean 23.8: a few slow steps. The probe now
+# lists the slowest with their batch; the second run turns off SDPA's cuDNN backend, whose plans
+# are built per new shape (batch and K/V width change as requests arrive).
+step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
+    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
+step probe-s09-no-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
+    --device $DEVICE --no-cudnn-attention \
+    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.no-cudnn.$G2.$DEVICE.json
+# The newest stage under the same load: its TPOT against its decode step (graphs from stage 12 on).
+step probe-s14-$G2 - 60 $PY -m common.cli worker-probe --stage 14 --preset post-052 --model $G2 --device $DEVICE \
+    --json $RESULTS/worker-probe.s14_tensor_parallel.post-052.$G2.$DEVICE.json
 # Stage 14 (tensor parallelism): its tests (at size 1 on this GPU, CUDA graphs and all; the ranks
 # on gloo where there is one GPU, on NCCL where there are two or more), then, with two GPUs or
 # more, what a step's all-reduces cost there: gpt2-random (12 heads) at sizes 1 and 2.
-step tests-s14 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+step tests-s14 - 240 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     stages/s14_tensor_parallel/test_stage.py tests/test_parity.py -k "s14 or rank or torchrun or refused or padded"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     for tp in 1 2; do
@@ -109,21 +125,12 @@ fi
 # What ran on the H200 at e5514d9 (docs/results/cuda/) comes last here, to be measured
 # again at the newest commit; what never ran comes first.
 #
-# Item 2: where the worker's time goes under post 052's load. At e5514d9 the worker was in decode
-# 96 % of the time, its median step 9.2 ms and its mean 23.8: a few slow steps. The probe now
-# lists the slowest with their batch; the second run turns off SDPA's cuDNN backend, whose plans
-# are built per new shape (batch and K/V width change as requests arrive).
-step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
-    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
-step probe-s09-no-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
-    --device $DEVICE --no-cudnn-attention \
-    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.no-cudnn.$G2.$DEVICE.json
 # Item 5: the stages not yet on the GPU's decode-step ladder (each engine a fresh process, ~25 s).
 step ladder-decode-step-rest-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 4,5,6,7,8,10 \
     --no-hf --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step-rest.$G2 --out $RESULTS
 # Item 4: make bench on SmolLM2, and the tests that need its GGUF.
 step make-bench-smollm2 smollm2 80 $RERUN --only make-bench
-step tests-smollm2 smollm2 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovider \
+step tests-smollm2 smollm2 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     tests/test_smollm2.py tests/test_loader.py tests/test_model.py
 # Item 5 again: where a step's time goes (kernels vs launches); post 052's shape on its model.
 for s in 2:s02_kv_cache 3:s03_paged_attention 9:s09_batched_worker_lookups 11:s11_chunked_prefill; do
@@ -150,6 +157,6 @@ step bench-s07 smollm2 90 $RERUN --only s07_admission_knob.cpu
 step rest smollm2 600 $RERUN --resume --skip stability --skip serve
 step rest-serve smollm2 300 $RERUN --resume --skip stability
 pack
-echo "gpu_session: $(wc -l <"$DONE") steps done at ${STAGEWISE_GIT_COMMIT:0:10}, $((SECONDS - START))s in this call;" \
+echo "gpu_session: $(wc -l <"$DONE") steps done at $(echo "${STAGEWISE_GIT_COMMIT:-unknown}" | cut -c1-10), $((SECONDS - START))s in this call;" \
      "$(ls "$STASH/results" | wc -l) files in $OUT/results.tgz"
 cat "$STASH/logs/summary.txt"

@@ -25,6 +25,7 @@ import warnings
 import pytest
 import torch
 
+from common.bench import profile_decode, profile_prefill  # at the top: a CPU run collects this file, so a wrong path fails there too
 from common.requests import Request, SamplingParams
 from conftest import STAGE_DIRS, stage_module, streaming_packages
 
@@ -152,22 +153,27 @@ def test_close_gives_the_kv_memory_back(package, tiny_cuda):
     assert measured and kept == 0, f"{package}: {kept} bytes kept"
 
 
-@pytest.mark.parametrize("program", ["profile_decode", "profile_prefill"])
-def test_profiles_count_the_gpu_kernels(program, tmp_path):
-    """On CUDA an op's CPU time is its launch: both profilers also record their kernels' time."""
-    import importlib
+@pytest.mark.parametrize("program, stage", [("profile_decode", "9"), ("profile_decode", "12"), ("profile_prefill", "9")])
+def test_profiles_count_the_gpu_kernels(program, stage, tmp_path):
+    """On CUDA an op's CPU time is its launch: both profilers also record their kernels' time.
+    Stage 12's decode steps replay graphs, whose kernels no op launched: they get a row of their own."""
     import json
 
-    module = importlib.import_module(f"common.{program}")
+    module = {"profile_decode": profile_decode, "profile_prefill": profile_prefill}[program]
     shape = (["--batch", "2", "--prompt-len", "9", "--steps", "3"] if program == "profile_decode"
              else ["--prompt-len", "24", "--repeats", "1"])
     out = tmp_path / "profile.json"
-    assert module.main(["--stage", "9", "--model", "tiny", "--device", "cuda", "--dtype", "float32", *shape,
+    assert module.main(["--stage", stage, "--model", "tiny", "--device", "cuda", "--dtype", "float32", *shape,
                         "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["device"].startswith("cuda") and r["kernel_ms_per_step"] > 0
     assert sum(r["groups_kernel_ms"].values()) == pytest.approx(r["kernel_ms_per_step"])
     assert all("kernel_ms_per_step" in row for row in r["ops"])
+    graph = [row for row in r["ops"] if row["op"] == profile_decode.GRAPH_KERNELS]
+    if stage == "12":  # nearly all of a replayed step's kernels
+        assert graph and graph[0]["kernel_ms_per_step"] > 0.5 * r["kernel_ms_per_step"]
+    else:
+        assert not graph
 
 
 def test_stage12_captures_replays_as_eager_and_close_gives_the_graphs_back(tiny_cuda):

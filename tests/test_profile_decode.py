@@ -10,7 +10,7 @@ import torch
 from common.bench import profile_decode
 
 
-@pytest.mark.parametrize("stage", ["2", "3", "9", "11"])
+@pytest.mark.parametrize("stage", ["2", "3", "9", "11", "12"])
 def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     out = tmp_path / "profile.json"
     assert profile_decode.main(["--stage", stage, "--model", "tiny", "--device", "cpu", "--dtype", "float32",
@@ -40,16 +40,64 @@ def test_profile_decode_on_tiny(stage: str, tmp_path: Path, capsys) -> None:
     assert r["x_floor_bound"] == pytest.approx((r["attention_free_step_ms"] + r["kv_read_floor_ms"]) / r["floor_ms"])
 
 
-def test_profile_decode_finds_the_full_batch_under_chunked_prefill(tmp_path: Path) -> None:
-    """Stage 11, a batch whose prompts take several chunked steps: the first prompts decode while
-    the last are prefilled, and the window still holds full-batch decode steps only."""
+@pytest.mark.parametrize("stage, batch, steps", [("11", 32, 3), ("12", 64, 20)])
+def test_profile_decode_finds_the_full_batch_under_chunked_prefill(stage: str, batch: int, steps: int,
+                                                                   tmp_path: Path) -> None:
+    """Stage 11 on, a batch whose prompts take several chunked steps: the first prompts decode while
+    the last are prefilled (their rows take part of each step's budget), and the window still
+    holds `steps` full-batch decode steps, and only those."""
     out = tmp_path / "profile.json"
-    assert profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
-                                "--batch", "32", "--prompt-len", "64", "--steps", "3", "--json", str(out)]) == 0
+    assert profile_decode.main(["--stage", stage, "--model", "tiny", "--device", "cpu", "--dtype", "float32",
+                                "--batch", str(batch), "--prompt-len", "64", "--steps", str(steps),
+                                "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     # (oneDNN's op where the model packed its weights, as it does on a CPU in fp32; else aten::mm)
     mm = [row for row in r["ops"] if row["group"] == "matmul"]
-    assert len(mm) == 1 and mm[0]["calls_per_step"] == pytest.approx(r["matmuls_per_step"]) and len(r["step_samples_ms"]) == 3
+    assert len(mm) == 1 and mm[0]["calls_per_step"] == pytest.approx(r["matmuls_per_step"])
+    assert len(r["step_samples_ms"]) == steps
+
+
+class _Model(torch.nn.Module):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float()
+
+
+class _Graphs:
+    """Stage 12's `DecodeGraphs.run` in two forms: a replay, which never calls the model (a CUDA
+    graph), and the CPU path, which calls it with the padded batch's rows."""
+
+    def __init__(self, model: torch.nn.Module, replay: bool) -> None:
+        self.model, self.replay = model, replay
+
+    def run(self, ids: list[int]) -> torch.Tensor:
+        G = 1 << (len(ids) - 1).bit_length()  # the bucket: the batch padded to a power of two
+        return torch.zeros(len(ids)) if self.replay else self.model(torch.tensor([ids + [0] * (G - len(ids))]))  # [1, G]
+
+
+class _Engine:
+    def __init__(self, model: torch.nn.Module, graphs: _Graphs, batch: int, steps: int) -> None:
+        self.model, self.graphs, self.batch, self.steps = model, graphs, batch, steps
+
+    def generate(self, requests: list) -> None:
+        self.model(torch.zeros((1, 21), dtype=torch.long))  # a prefill: more tokens than rows, no decode step
+        for _ in range(self.steps):
+            self.graphs.run([0] * self.batch)
+
+
+@pytest.mark.parametrize("replay, batch", [(True, 3), (False, 3), (False, 4)])
+def test_the_window_counts_each_decode_step_once_whether_a_graph_replays_it_or_not(replay: bool, batch: int) -> None:
+    """A step that replays a CUDA graph never calls the model: the window starts it at the graphs'
+    `run`. Where `run` calls the model (the CPU path; padded, or not when the batch fills its
+    bucket), the step is still one."""
+    model = _Model()
+    engine = _Engine(model, _Graphs(model, replay), batch, steps=12)
+    window = profile_decode.DecodeWindow(model, steps=5, batch=batch, device=torch.device("cpu"), graphs=engine.graphs)
+    times = window.run(engine, [], profiled=True)
+    assert len(window.starts) == 12 and len(times) == 5
+    window.prof.key_averages()  # the profiler ran over the window (it raises if it never started)
+    engine.steps = 6  # too few steps for the window: a clear error, not the profiler's
+    with pytest.raises(RuntimeError, match=f"saw 6 decode steps of {batch} rows; the window needs 10"):
+        window.run(engine, [], profiled=True)
 
 
 def test_groups() -> None:
@@ -107,6 +155,17 @@ def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
     assert [(r["op"], r["ms_per_step"], r["kernel_ms_per_step"], r["calls_per_step"]) for r in rows] == [
         ("aten::mm", 0.2, 1.5, 4.0), ("aten::add", 0.1, 0.05, 2.0)]
     assert all("kernel_ms_per_step" not in r for r in profile_decode.op_table(Prof(), steps=2))
+
+    class Replayed(Prof):  # a CUDA graph's replay: its kernels' rows, launched by no op
+        def key_averages(self):
+            return super().key_averages() + [
+                Row(key="vectorized_elementwise_kernel", self_cpu_time_total=0.0, self_device_time_total=100.0, count=4),
+                Row(key="ampere_sgemm_64x64", self_cpu_time_total=0.0, self_device_time_total=5000.0, count=20)]
+
+    rows = profile_decode.op_table(Replayed(), steps=2, kernels=True)
+    assert [(r["op"], r["kernel_ms_per_step"]) for r in rows] == [
+        ("aten::mm", 1.5), ("aten::add", 0.05), (profile_decode.GRAPH_KERNELS, pytest.approx(2.5))]
+    assert profile_decode.kernel_fields(rows)["kernel_ms_per_step"] == pytest.approx(4.05)  # the GPU's whole time
 
 
 def test_kv_bytes_and_the_read_floor() -> None:

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+GRAPH_KERNELS = "(kernels no op launched: CUDA graph replays)"
+
+
 def group_of(op: str) -> str:
     return next((g for g, names in GROUPS.items() if op in names), "other")
 
@@ -99,17 +102,27 @@ def op_table(prof: Any, steps: int, kernels: bool = False) -> list[dict]:
     """Every op's own time per step (ms) and calls per step, largest first.
 
     With `kernels` (CUDA), each op also gets the GPU time of the kernels it launched itself
-    (`kernel_ms_per_step`): an op's CPU time is then what it costs to launch, not to compute."""
-    rows = []
+    (`kernel_ms_per_step`): an op's CPU time is then what it costs to launch, not to compute.
+    Kernels that no op launched, those a CUDA graph's replay runs (stage 12 on), get a row of
+    their own (`GRAPH_KERNELS`, group "other"), so the rows' kernel times add up to the GPU's."""
+    rows, kernel_us = [], 0.0
     for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        device_us = device_us if device_us is not None else getattr(e, "self_cuda_time_total", 0.0)
         if e.self_cpu_time_total <= 0:  # the kernels' own rows: counted under the op that launched them
+            kernel_us += device_us
             continue
         row = {"op": e.key, "group": group_of(e.key), "ms_per_step": e.self_cpu_time_total / 1000.0 / steps,
                "calls_per_step": e.count / steps}
         if kernels:
-            device_us = getattr(e, "self_device_time_total", None)
-            row["kernel_ms_per_step"] = (device_us if device_us is not None else e.self_cuda_time_total) / 1000.0 / steps
+            row["kernel_ms_per_step"] = device_us / 1000.0 / steps
         rows.append(row)
+    if kernels:
+        launched_by_ops = sum(r["kernel_ms_per_step"] for r in rows)
+        unclaimed = kernel_us / 1000.0 / steps - launched_by_ops
+        if unclaimed > 1e-3 * max(launched_by_ops, 1e-3):  # more than rounding
+            rows.append({"op": GRAPH_KERNELS, "group": "other", "ms_per_step": 0.0, "calls_per_step": 0.0,
+                         "kernel_ms_per_step": unclaimed})
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
@@ -156,21 +169,23 @@ def report_lines(r: dict, top: int, per: str) -> list[str]:
     kernels = "kernel_ms_per_step" in r  # a CUDA profile: every op row has its kernels' time too
     lines = [f"  {g:13s} {ms:9.2f} ms  {100 * r['groups_share'][g]:5.1f} %" for g, ms in r["groups_ms_profiled"].items()]
     lines.append(f"{'op':52s} {'group':13s} {'ms/' + per:>12s} {'calls/' + per:>13s}" + (f" {'kernel ms':>9s}" if kernels else ""))
-    for row in r["ops"][:top]:
+    graph_rows = [row for row in r["ops"][top:] if row["op"] == GRAPH_KERNELS]  # no launch time, yet the GPU's most
+    for row in r["ops"][:top] + graph_rows:
         lines.append(f"{row['op'][:52]:52s} {row['group']:13s} {row['ms_per_step']:12.2f} {row['calls_per_step']:13.1f}"
                      + (f" {row['kernel_ms_per_step']:9.2f}" if kernels else ""))
     return lines
 
 
 class DecodeWindow:
-    """Wraps the model's forward to find the decode steps: a step runs from one forward of one
-    token per row to the next (the forward, sampling, the engine's bookkeeping), as the benches'
-    `decode step ms` does. Times every step, and profiles a window of `steps` of them."""
+    """Wraps the model's forward (and from stage 12 the decode graphs' `run`) to find the decode
+    steps: a step runs from one forward of one token per row to the next (the forward, sampling,
+    the engine's bookkeeping), as the benches' `decode step ms` does. Times every step, and
+    profiles a window of `steps` of them."""
 
     SKIP = 4  # the first decode steps of a batch: allocator and cache warm-up
 
     def __init__(self, model: torch.nn.Module, steps: int, batch: int, device: torch.device,
-                 counts: Counter | None = None) -> None:
+                 counts: Counter | None = None, graphs: Any = None) -> None:
         self.steps, self.batch, self.device = steps, batch, device
         self.forward = model.forward
         self.starts: list[float] = []
@@ -179,22 +194,43 @@ class DecodeWindow:
         self.prof: Any = None
         self.active = False  # only forwards inside run() count (the floors call the model too)
         model.forward = self  # instance attribute: nn.Module.__call__ finds it
+        # Stage 12 on: a decode step that replays a CUDA graph never calls the model's forward, so
+        # such a step starts at the graphs' `run` (on a CPU, `run` calls the forward: counted once).
+        self.in_run = False
+        if graphs is not None:
+            self.graphs_run = graphs.run
+            graphs.run = self.run_graph
 
     def __call__(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # A decode step starts (and the previous one ended): one token per row, as `[B, 1]`, or
         # packed as `[1, B]` (stage 11's steps). A prefill (or a chunk of one) has more tokens.
-        if self.active and ids.numel() == self.batch:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            n = len(self.starts)
-            if self.prof is not None and n == self.SKIP:
-                self.prof.start()
-            if self.prof is not None and n == self.SKIP + self.steps:
-                self.prof.stop()
-            if self.counts is not None and n in (self.SKIP, self.SKIP + self.steps):
-                self.window_counts = Counter(self.counts) - self.window_counts  # at the end: the window's
-            self.starts.append(time.perf_counter())
+        if self.active and not self.in_run and ids.numel() == self.batch:
+            self.step_starts()
         return self.forward(ids, *args, **kwargs)
+
+    def run_graph(self, ids: list[int], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The graphs' `run`, wrapped: a decode step of `len(ids)` rows starts."""
+        if self.active and len(ids) == self.batch:
+            self.step_starts()
+        self.in_run = True
+        try:
+            return self.graphs_run(ids, *args, **kwargs)
+        finally:
+            self.in_run = False
+
+    def step_starts(self) -> None:
+        """Time a step's start (the end of the one before); start and stop the profiler and the
+        collectives' count at the window's edges."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        n = len(self.starts)
+        if self.prof is not None and n == self.SKIP:
+            self.prof.start()
+        if self.prof is not None and n == self.SKIP + self.steps:
+            self.prof.stop()
+        if self.counts is not None and n in (self.SKIP, self.SKIP + self.steps):
+            self.window_counts = Counter(self.counts) - self.window_counts  # at the end: the window's
+        self.starts.append(time.perf_counter())
 
     def run(self, engine: Any, requests: list, profiled: bool) -> list[float]:
         """One generate() of `requests`; the window's step times (ms)."""
@@ -206,6 +242,9 @@ class DecodeWindow:
             engine.generate(requests)
         finally:
             self.active = False
+        if len(self.starts) < self.SKIP + self.steps + 1:
+            raise RuntimeError(f"saw {len(self.starts)} decode steps of {self.batch} rows; the window needs "
+                               f"{self.SKIP + self.steps + 1} (--steps {self.steps} after {self.SKIP} skipped)")
         window = self.starts[self.SKIP:self.SKIP + self.steps + 1]
         return [(b - a) * 1000.0 for a, b in zip(window, window[1:])]
 
@@ -225,15 +264,16 @@ def measure(a: argparse.Namespace) -> dict:
     new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
     budget = getattr(engine, "max_num_batched_tokens", None)
     if budget:  # chunked prefill (stage 11): the first prompts decode while the last are prefilled,
-        # so they need enough tokens to still be running when the whole batch decodes together
-        new_tokens += -(-a.batch * a.prompt_len // int(budget)) + 1
+        # so they need enough tokens to still be running when the whole batch decodes together. Their
+        # decode rows share each step's budget with the chunks: at most `batch` of it.
+        new_tokens += -(-a.batch * a.prompt_len // max(int(budget) - a.batch, 1)) + 1
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
     # The model the engine runs: the loaded one, or (tensor parallel) rank 0's share of it
     tp = getattr(engine, "tp", None)
     tp_size = tp.size if tp is not None else 1
     window = DecodeWindow(getattr(engine, "model", loaded.model), a.steps, a.batch, loaded.device,
-                          tp.counts if tp_size > 1 else None)
+                          tp.counts if tp_size > 1 else None, getattr(engine, "graphs", None))
     window.run(engine, requests, profiled=False)  # warm-up: every KV block touched once
     with threads(machine_threads):
         floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]

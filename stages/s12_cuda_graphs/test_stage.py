@@ -162,7 +162,9 @@ def test_the_captured_function_is_capturable_and_the_same_for_every_batch_of_a_b
         ops_of[sched.num_unfinished] = rules.ops  # the run's last step: its first may still grow a buffer
         return out
 
-    forward(8, engine.graphs.widths[-1])  # as a capture's warm-up does: the reused gather buffer at its largest
+    with torch.inference_mode():  # as a capture's warm-up does: the reused gather buffer at its largest,
+        forward(8, engine.graphs.widths[-1])  # made as an inference tensor
+    forward(8, engine.graphs.widths[-1])  # a caller outside inference mode (a test) writes it in place too
     engine.graphs.forward = checked
     for n in (5, 7):  # both pad to the bucket of 8
         rids = [sched.add_request(prompt_token_ids=_ids(6, seed=60 + i), params=SamplingParams(max_new_tokens=4, stop_on_eos=False))

@@ -107,9 +107,12 @@ class DecodeGraphs:
         self.blocks[start:end] = pad
         self.lengths[start:end] = 1
 
+    @torch.inference_mode()
     def forward(self, G: int, W: int) -> torch.Tensor:
         """What a graph holds: a decode step over the first G rows of the buffers, block tables W wide.
-        Reads only the static buffers, and writes its logits into `self.logits[:G]`."""
+        Reads only the static buffers, and writes its logits into `self.logits[:G]`. Always in
+        inference mode, as the capture runs it: the tensors it writes in place (the pool's gather
+        buffer, grown by a warm-up) may be inference tensors, which PyTorch lets no other mode write."""
         attention = StepAttention(DecodeAttention(self.engine.pool, self.slots[:G], self.blocks[:G, :W],
                                                   self.lengths[:G]), None, G)
         out = self.engine.model(self.ids[:, :G], self.positions[:, :G], attention, logits_indices=self.rows[:G])  # [G, V]
