@@ -89,6 +89,9 @@ def kv_lines(summary: dict) -> list[str]:
                      ("" if waiting is None else f" (mean {100 * float(waiting):.1f}% while requests waited)"))
     if "num_preemptions" in kv:
         lines.append(f"Preemptions: {int(kv['num_preemptions'])} (recomputed tokens: {int(kv['recomputed_tokens'])})")
+    if "eager_steps" in kv:  # stage 12 on: a GPU replays the first kind; the second runs kernel by kernel
+        lines.append(f"Steps: {int(kv['graph_steps'])} decode-only through the graphs' buckets, "
+                     f"{int(kv['eager_steps'])} eager (with prompt chunks, or above the largest bucket)")
     return lines
 
 
@@ -129,6 +132,7 @@ COMPARISON_ROWS: list[tuple[str, str, Callable[[dict], float | None], bool, floa
     ("step_batch_mean", "Requests per step (mean)", _get("step_batch", "mean"), True, 1.0),
     ("kv_usage_mean", "KV pool in use (mean %)", _get("kv", "kv_usage_mean"), True, 100.0),
     ("preemptions", "Preemptions", _get("kv", "num_preemptions"), False, 1.0),
+    ("eager_steps", "Eager steps", _get("kv", "eager_steps"), False, 1.0),
 ]
 
 

@@ -193,6 +193,9 @@ def test_steps_with_chunks_and_batches_above_the_largest_bucket_run_eagerly(tiny
     assert got == [hf_greedy(p, q.max_new_tokens) for p, q in zip(prompts, params)]
     assert calls[0] and len(runs) == calls.count(False)  # a step with chunks never asks the graphs
     assert {n for n, b in runs if b is None} == {6} and {n for n, b in runs if b is not None} == {3}
+    stats = engine.kv_stats()  # the steps each way, as the bench reports them
+    assert stats["graph_steps"] == sum(b is not None for _, b in runs)
+    assert stats["eager_steps"] == len(calls) - stats["graph_steps"] > 0
 
 
 def test_joining_leaving_and_cancelling_between_replays(tiny, hf_greedy) -> None:

@@ -177,6 +177,7 @@ class InferenceEngine:
                                 int(block_size), loaded.dtype, self.device)
         self.prefix_cache = PrefixCache(self.pool, enable_prefix_caching)
         self._peak_blocks = 0
+        self.graph_steps = self.eager_steps = 0  # steps run through the decode graphs, and the rest
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
         self.num_preemptions = 0  # sessions preempted, and the tokens their readmissions computed again
         self.recomputed_tokens = 0
@@ -236,6 +237,8 @@ class InferenceEngine:
             "cudagraphs": len(self.graphs.graphs) if self.graphs is not None else 0,
             "cudagraph_capture_s": self.graphs.capture_s if self.graphs is not None else 0.0,
             "cudagraph_pool_bytes": self.graphs.pool_bytes if self.graphs is not None else 0,
+            "graph_steps": self.graph_steps,  # decode-only steps through a bucket (replays on a GPU)
+            "eager_steps": self.eager_steps,  # steps with prompt chunks, or above the largest bucket
         }
 
     @torch.inference_mode()
@@ -394,7 +397,9 @@ class InferenceEngine:
         ids: list[int] = [s.generated[-1] for s in decode]
         graphs = self.graphs  # read once: close() may drop them (it belongs after the manager's close)
         if decode and not chunks and graphs is not None and graphs.fits(B):
+            self.graph_steps += 1
             return graphs.run(ids, *self._decode_inputs(decode))  # [B, V]: decode only, a replay
+        self.eager_steps += 1
         positions: list[int] = []  # the prompt tokens'; the decode rows' come from the device mirror
         decode_positions, decode_attention = self._decode_attention(decode) if decode else (None, None)
         prefill_attention, rows = None, list(range(B))

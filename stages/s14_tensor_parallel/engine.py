@@ -237,6 +237,7 @@ class InferenceEngine:
                                 loaded.dtype, self.device)  # the K/V of this rank's KV heads
         self.prefix_cache = PrefixCache(self.pool, enable_prefix_caching)
         self._peak_blocks = 0
+        self.graph_steps = self.eager_steps = 0  # steps run through the decode graphs, and the rest
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
         self.num_preemptions = 0  # sessions preempted, and the tokens their readmissions computed again
         self.recomputed_tokens = 0
@@ -306,6 +307,8 @@ class InferenceEngine:
             "cudagraphs": len(self.graphs.graphs) if self.graphs is not None else 0,
             "cudagraph_capture_s": self.graphs.capture_s if self.graphs is not None else 0.0,
             "cudagraph_pool_bytes": self.graphs.pool_bytes if self.graphs is not None else 0,
+            "graph_steps": self.graph_steps,  # decode-only steps through a bucket (replays on a GPU)
+            "eager_steps": self.eager_steps,  # steps with prompt chunks, or above the largest bucket
         }
 
     @torch.inference_mode()
@@ -466,6 +469,10 @@ class InferenceEngine:
         graphs = self.graphs  # read once: close() may drop them (it belongs after the manager's close)
         step = Step(ids, torch.empty(0, dtype=torch.long, device=self.device), list(range(B)), B,
                     graph=bool(decode) and not chunks and graphs is not None and graphs.fits(B))
+        if step.graph:
+            self.graph_steps += 1
+        else:
+            self.eager_steps += 1
         if decode:
             rows, new_pos, new_slots, nb = self._decode_inputs(decode)
             tables = self.pool.tables
