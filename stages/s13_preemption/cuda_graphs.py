@@ -27,6 +27,7 @@ tests check it with a dispatch mode that fails on such ops.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import TYPE_CHECKING
 
@@ -126,6 +127,10 @@ class DecodeGraphs:
         captured on (PyTorch's advice), so lazy set-up (a library's workspace for that stream,
         the gather buffer growing) is not captured."""
         torch.cuda.synchronize()
+        # Every capture empties the allocator's cache on entry (torch.cuda.graph does), so empty it
+        # first here too: memory cached before would otherwise be freed inside and count against the graphs.
+        gc.collect()
+        torch.cuda.empty_cache()
         t0, before = time.perf_counter(), torch.cuda.memory_reserved()
         mempool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.engine.device)
