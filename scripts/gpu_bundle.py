@@ -2,11 +2,12 @@
 
     make venv && .venv/bin/python scripts/gpu_bundle.py     # here, once: writes .device/
 
-Then, on the GPU machine (the working tree copied there, with the folders this prints), two
-calls back to back (scripts/gpu_session.sh says what each runs):
+Then, on the GPU machine (the working tree copied there, with the folders this prints), one
+call per GGUF piece, back to back (scripts/README.md gives the calls):
 
-    bash scripts/gpu_session.sh 230        # carrying .device/base, .device/whl, .device/gguf-1
-    bash scripts/gpu_session.sh 470        # carrying .device/base, .device/gguf-2
+    bash scripts/gpu_session.sh 225        # carrying .device/base, .device/whl, .device/gguf-1
+    bash scripts/gpu_session.sh 190        # carrying .device/base, .device/gguf-2
+    bash scripts/gpu_session.sh 395        # carrying .device/base, .device/gguf-3
 
 Why it looks like this: the GPU machines this project borrows have Python 3.12 with a CUDA build
 of torch and transformers, no package index, and take at most 64 MiB of files per call. So the
@@ -19,7 +20,7 @@ bundle holds only what their image lacks, in the exact versions `make venv` inst
   gguf, ...), the dependency closure read from this venv's metadata, minus the packages the GPU
   image brings in its own build (torch, transformers, numpy, ...). Carried by the first call only.
 - `.device/gguf-1/`, `.device/gguf-2/`, ...: SmolLM2's GGUF (98 MB) in as few pieces as fit, one
-  per call: the first beside base and the wheels, the others beside base alone (two pieces, at
+  per call: the first beside base and the wheels, the others beside base alone (three pieces, at
   today's sizes). `gpu_env.sh` keeps each piece on the machine (while it stays warm, 30 s after a
   call) and joins them once all have come.
 """
