@@ -7,8 +7,8 @@
 # engines, as every result here is measured) under a `timeout` no longer than what is left of
 # SECONDS; one that fails or runs out is logged and the rest go on. A step that finished at this
 # commit in an earlier call is not run again, nor one listed in scripts/gpu_steps_done.txt (measured
-# at an earlier commit, its files committed, the code it measures unchanged since: delete its line
-# when that code changes). Test steps print each test's name as it starts and dump the stacks of
+# at an earlier commit, its files committed, what it measures unchanged since: delete its line when
+# that changes; a field added to the engine's stats later is not such a change). Test steps print each test's name as it starts and dump the stacks of
 # one that runs over a minute, so a log cut short still says where. After every step the results so far (written into
 # docs/results/cuda/) and the logs are packed into $OUT/results.tgz. Every engine is a fresh
 # process, about 25 s on an H200 before it measures anything: 470 s hold about twenty of them.
@@ -48,7 +48,7 @@ pack() {  # everything written under $RESULTS since the first call, and the logs
 step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
     local name=$1 needs=$2 limit=$3 left rc t
     shift 3
-    if grep -qsx "$name" "$DONE" scripts/gpu_steps_done.txt; then return; fi
+    if grep -qsxF "$name" "$DONE" scripts/gpu_steps_done.txt; then return; fi
     if [ "$needs" = smollm2 ] && [[ "$gguf_state" != ready* ]]; then
         echo "--- $name: waits for SmolLM2 (gguf: $gguf_state)"; return
     fi

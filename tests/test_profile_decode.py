@@ -98,6 +98,7 @@ def test_the_window_counts_each_decode_step_once_whether_a_graph_replays_it_or_n
     engine.steps = 6  # too few steps for the window: a clear error, not the profiler's
     with pytest.raises(RuntimeError, match=f"saw 6 decode steps of {batch} rows; the window needs 10"):
         window.run(engine, [], profiled=True)
+    assert not torch.autograd._profiler_enabled()  # the profiler that run started is stopped
 
 
 def test_groups() -> None:

@@ -242,6 +242,8 @@ class DecodeWindow:
             engine.generate(requests)
         finally:
             self.active = False
+            if self.prof is not None and self.SKIP < len(self.starts) <= self.SKIP + self.steps:
+                self.prof.stop()  # the run ended inside the window: a profiler left on would refuse the next
         if len(self.starts) < self.SKIP + self.steps + 1:
             raise RuntimeError(f"saw {len(self.starts)} decode steps of {self.batch} rows; the window needs "
                                f"{self.SKIP + self.steps + 1} (--steps {self.steps} after {self.SKIP} skipped)")
@@ -279,6 +281,8 @@ def measure(a: argparse.Namespace) -> dict:
         floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
     times = window.run(engine, requests, profiled=False)
     collectives = {k: v / a.steps for k, v in sorted(window.window_counts.items())}  # per step, in the timed run
+    if tp_size > 1 and loaded.device.type == "cuda" and getattr(engine, "graphs", None) is not None:
+        collectives = None  # a replayed graph runs its collectives without passing the Python that counts them
     with threads(machine_threads):
         floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
         free_ms = attention_free_ms(loaded.model, a.batch, min_time_s=0.3)  # same minutes as the floors
@@ -317,7 +321,7 @@ def measure(a: argparse.Namespace) -> dict:
         "tensor_parallel_size": tp_size, "collectives_per_step": collectives,
         "x_floor_bound": (free_ms + kv_floor) / floor_ms if floor_ms else None,
         **kernel,
-        "ops": ops[:max(a.top, 40)],
+        "ops": ops[:max(a.top, 40)] + [r for r in ops[max(a.top, 40):] if r["op"] == GRAPH_KERNELS],
     }
 
 
@@ -345,7 +349,10 @@ def format_profile(r: dict, top: int) -> str:
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "
                      + ", ".join(f"{g} {ms:.2f}" for g, ms in r["groups_kernel_ms"].items()))
-    if r.get("tensor_parallel_size", 1) > 1:  # stage 14: what the ranks exchange a step, and what it costs rank 0
+    if r.get("tensor_parallel_size", 1) > 1 and r["collectives_per_step"] is None:
+        lines.append("Communication: not counted, since the window's steps replay CUDA graphs, whose collectives "
+                     "run without the Python that counts them")
+    elif r.get("tensor_parallel_size", 1) > 1:  # stage 14: what the ranks exchange a step, and what it costs rank 0
         c = r["collectives_per_step"]
         lines.append(f"Communication, rank 0 of {r['tensor_parallel_size']}: a step runs "
                      f"{c.get('all_reduce', 0):.0f} all-reduces ({c.get('all_reduce_bytes', 0) / 1024:.1f} KiB), "

@@ -91,7 +91,7 @@ def kv_lines(summary: dict) -> list[str]:
         lines.append(f"Preemptions: {int(kv['num_preemptions'])} (recomputed tokens: {int(kv['recomputed_tokens'])})")
     if "eager_steps" in kv:  # stage 12 on: a GPU replays the first kind; the second runs kernel by kernel
         lines.append(f"Steps: {int(kv['graph_steps'])} decode-only through the graphs' buckets, "
-                     f"{int(kv['eager_steps'])} eager (with prompt chunks, or above the largest bucket)")
+                     f"{int(kv['eager_steps'])} eager (with prompt chunks, above the largest bucket, or enforce_eager)")
     return lines
 
 

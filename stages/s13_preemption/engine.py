@@ -238,7 +238,7 @@ class InferenceEngine:
             "cudagraph_capture_s": self.graphs.capture_s if self.graphs is not None else 0.0,
             "cudagraph_pool_bytes": self.graphs.pool_bytes if self.graphs is not None else 0,
             "graph_steps": self.graph_steps,  # decode-only steps through a bucket (replays on a GPU)
-            "eager_steps": self.eager_steps,  # steps with prompt chunks, or above the largest bucket
+            "eager_steps": self.eager_steps,  # with prompt chunks, above the largest bucket, or enforce_eager
         }
 
     @torch.inference_mode()
