@@ -92,19 +92,20 @@ step make-bench-s12-vs-s11-$G2 - 120 $PY -m stages.s12_cuda_graphs.bench --prese
 step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --workload random-lengths \
     --num-requests 32 --max-batch-size 16 --max-new-tokens 64 --stages 11,12 --model $G2 --device $DEVICE \
     --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
-step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
-    --json $RESULTS/s12_cuda_graphs.$DEVICE.json
-# Stage 13 (preemption) on its own workload: 64 chat questions, a KV pool for 8 at their worst.
-step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
-    --json $RESULTS/s13_preemption.$DEVICE.json
-# Stage 13's worker on that workload: at 5cd06ec its median step was 5.0 ms while 1 % of the gaps
-# between tokens took 200 ms. The probe lists the slowest steps with their batch; the second run
+# Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst),
+# before the benches: at 5cd06ec its median step was 5.0 ms while 1 % of the gaps between tokens
+# took 200 ms. The probe lists the slowest steps with their batch; the second run
 # turns off SDPA's cuDNN backend, which builds a plan for each new shape (a recomputed prompt is a
 # new length each time).
 step probe-s13 smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
     --json $RESULTS/worker-probe.s13_preemption.$DEVICE.json
 step probe-s13-no-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --no-cudnn-attention \
     --json $RESULTS/worker-probe.s13_preemption.no-cudnn.$DEVICE.json
+# Stage 12 against 11 on SmolLM2, and 13 against 12 on stage 13's workload (both count their eager steps).
+step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
+    --json $RESULTS/s12_cuda_graphs.$DEVICE.json
+step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
+    --json $RESULTS/s13_preemption.$DEVICE.json
 # Item 2: where the worker's time goes under post 052's load. At e5514d9 the worker was in decode
 # 96 % of the time, its median step 9.2 ms and its mean 23.8: a few slow steps. The probe now
 # lists the slowest with their batch; the second run turns off SDPA's cuDNN backend, whose plans
