@@ -64,6 +64,30 @@ def test_summary_of_known_sections() -> None:
     assert run["slowest"][0]["ms"] == pytest.approx(9)
 
 
+def test_steps_with_and_without_the_graphs_are_told_apart() -> None:
+    """Stage 12 on, each step's event says whether it ran eagerly (the engine's count moved): the
+    probe gives each kind's count and median, and marks the slowest steps."""
+    ms = 1e-3
+    steps = [("step", 0.0, 1 * ms, 4, False), ("step", 0.1, 2 * ms, 4, False), ("step", 0.2, 30 * ms, 4, True),
+             ("step", 0.3, 3 * ms, 4, False), ("step", 0.4, 50 * ms, 2, True)]
+    split = worker_probe.eager_split(steps)
+    assert (split["graph_steps"], split["eager_steps"]) == (3, 2)
+    assert split["graph_step_ms"] == pytest.approx(2) and split["eager_step_ms"] == pytest.approx(40)
+    assert split["eager_step_s_total"] == pytest.approx(0.08)
+    assert [s["eager"] for s in worker_probe.decode_tail(steps, steps)["slowest"][:2]] == [True, True]
+    assert worker_probe.eager_split([e[:4] for e in steps]) == {}  # an engine without the count
+
+
+def test_stage_12_counts_each_kind_of_step(tmp_path: Path, capsys, tiny) -> None:
+    out = tmp_path / "probe.json"
+    assert cli.main(["worker-probe", "--stage", "12", *BENCH, "--json", str(out)]) == 0
+    assert "steps through the graphs:" in capsys.readouterr().out
+    for run in json.loads(out.read_text())["worker"]["runs"]:
+        assert run["eager_steps"] >= 1 and run["graph_steps"] >= 1  # prompts come as chunks; then decode-only
+        assert run["eager_steps"] + run["graph_steps"] == run["decode_steps"]
+        assert all(isinstance(s["eager"], bool) for s in run["slowest"])
+
+
 def test_cudnn_attention_switch(tmp_path: Path, tiny) -> None:
     """The switch reaches torch's global flag (the worker thread reads the same one) and the result says so."""
     import torch

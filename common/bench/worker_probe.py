@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
-Event = tuple[str, float, float, int]  # (section, start, seconds, rows: batch or prompts)
+Event = tuple  # (section, start, seconds, rows: batch or prompts[, eager: did a step run without a graph])
 
 
 class Stopwatch:
@@ -43,15 +43,21 @@ class Stopwatch:
     def __init__(self) -> None:
         self.runs: list[list[Event]] = []
 
-    def wrap(self, cls: type, name: str, section: str, rows: Callable[[tuple, Any], int]) -> None:
+    def wrap(self, cls: type, name: str, section: str, rows: Callable[[tuple, Any], int],
+             eager_count: Callable[[Any], int | None] | None = None) -> None:
+        """`eager_count(obj)`: the engine's count of eager steps (stage 12 on), read around the call
+        to tell a step that ran kernel by kernel from one that went through the graphs."""
         original = getattr(cls, name)
 
         @functools.wraps(original)
         def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            before = eager_count(obj) if eager_count else None
             start = time.perf_counter()
             out = original(obj, *args, **kwargs)
+            seconds = time.perf_counter() - start
+            eager = None if before is None else eager_count(obj) > before
             if self.runs:
-                self.runs[-1].append((section, start, time.perf_counter() - start, rows(args, out)))
+                self.runs[-1].append((section, start, seconds, rows(args, out), eager))
             return out
 
         setattr(cls, name, timed)
@@ -74,7 +80,7 @@ def instrument(stage_package: str) -> Stopwatch:
     watch = Stopwatch()
     watch.new_run(server.SchedulerManager)
     watch.wrap(server.SchedulerManager, "_run_decode_once", "decode", lambda a, out: 0)
-    watch.wrap(scheduler, "step", "step", lambda a, out: len(out))
+    watch.wrap(scheduler, "step", "step", lambda a, out: len(out), lambda s: getattr(s.engine, "eager_steps", None))
     if hasattr(scheduler, "add_requests"):
         watch.wrap(scheduler, "add_requests", "prefill", lambda a, out: len(a[0]))
     else:
@@ -101,7 +107,21 @@ def summarize_run(events: list[Event]) -> dict[str, Any]:
         "prefill_ms": 1e3 * statistics.median(e[2] for e in prefills) if prefills else None,
         "prompts_per_prefill": sum(e[3] for e in prefills) / len(prefills) if prefills else None,
         "share": {"decode": total["decode"] / wall, "prefill": total["prefill"] / wall, "rest": rest / wall},
+        **eager_split(steps),
     }
+
+
+def eager_split(steps: list[Event]) -> dict[str, Any]:
+    """Stage 12 on: how many scheduler steps ran eagerly (prompt chunks, no bucket) and how long
+    each kind took, median; nothing for an engine without graphs to count."""
+    flags = [e[4] if len(e) > 4 else None for e in steps]
+    if not steps or any(f is None for f in flags):
+        return {}
+    eager = [e[2] for e, f in zip(steps, flags) if f]
+    graph = [e[2] for e, f in zip(steps, flags) if not f]
+    return {"eager_steps": len(eager), "eager_step_ms": 1e3 * statistics.median(eager) if eager else None,
+            "eager_step_s_total": sum(eager),
+            "graph_steps": len(graph), "graph_step_ms": 1e3 * statistics.median(graph) if graph else None}
 
 
 def decode_tail(decodes: list[Event], steps: list[Event], slowest: int = 5) -> dict[str, Any]:
@@ -124,7 +144,8 @@ def decode_tail(decodes: list[Event], steps: list[Event], slowest: int = 5) -> d
         "decode_ms_max": ms[-1],
         "slow_decode_steps": len(slow),
         "slow_decode_share": sum(slow) / sum(ms) if sum(ms) else 0.0,
-        "slowest": [{"step": i, "ms": 1e3 * e[2], "batch": e[3]} for i, e in ranked],
+        "slowest": [{"step": i, "ms": 1e3 * e[2], "batch": e[3], "eager": e[4] if len(e) > 4 else None}
+                    for i, e in ranked],
     }
 
 
@@ -133,7 +154,8 @@ def worker_fields(watch: Stopwatch, warmup_runs: int) -> dict[str, Any]:
     runs = [summarize_run(r) for r in watch.runs[warmup_runs:] if r]
     if not runs:
         raise SystemExit("worker-probe: the bench made no SchedulerManager (is this stage 04+, --mode streaming?)")
-    med = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
+    keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float))}
+    med = {k: statistics.median(v for r in runs if isinstance(v := r.get(k), (int, float))) for k in sorted(keys)}
     med["share"] = {k: statistics.median(r["share"][k] for r in runs) for k in runs[0]["share"]}
     return {**med, "runs": runs}
 
@@ -147,6 +169,9 @@ def report(w: dict[str, Any], result: dict[str, Any]) -> str:
         f"  decode step spread: mean {w['decode_ms_mean']:.2f} ms, p90 {w['decode_ms_p90']:.2f}, max "
         f"{w['decode_ms_max']:.2f}; {w['slow_decode_steps']:.0f} steps over twice the median hold "
         f"{100 * w['slow_decode_share']:.0f} % of decode time",
+        *([f"  steps through the graphs: {w['graph_steps']:.0f}, {w.get('graph_step_ms', 0):.2f} ms each; eager "
+             f"(prompt chunks, no bucket): {w['eager_steps']:.0f}, {w.get('eager_step_ms', 0):.2f} ms each, "
+             f"{w['eager_step_s_total']:.2f} s in all"] if "eager_steps" in w else []),
         f"  prefills: {w['prefills']:.0f}, {w['prefill_ms']:.2f} ms each, {w['prompts_per_prefill']:.1f} prompts each",
         f"  worker wall {w['worker_wall_s']:.2f} s: decode {100 * share['decode']:.0f} %, prefill "
         f"{100 * share['prefill']:.0f} %, the rest (loop, waiting, admission) {100 * share['rest']:.0f} %",
