@@ -15,7 +15,6 @@ Names:
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from .config import ModelConfig
 from .gguf_convert import atomic_output_dir, convert_smollm2, is_complete, offline
+from .linear import cpu_has_bf16_units
 from .model import DecoderModel
 
 if TYPE_CHECKING:
@@ -77,25 +77,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if dev.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"device: {device!r} is not supported (use auto, cpu or cuda)")
     return dev
-
-
-def cpu_has_bf16_units() -> bool:
-    """Does this CPU multiply bf16 in hardware? x86: AVX512-BF16 or AMX tiles (Intel since Cooper
-    Lake / Sapphire Rapids, AMD since Zen 4); Arm: the BF16 extension (Graviton 3, Neoverse V1+).
-
-    Why it matters: there oneDNN runs a bf16 matmul at twice fp32's rate or more, on half the
-    bytes; elsewhere bf16 is emulated and slower than fp32. (oneDNN's own "bf16 supported" check
-    on x86 says yes to any AVX-512 CPU, emulation included, so it is asked on Arm only.)"""
-    cpu = torch.cpu
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):  # private, so looked up
-        if getattr(cpu, probe, lambda: False)():
-            return True
-    if platform.machine().lower() in ("aarch64", "arm64") and torch.backends.mkldnn.is_available():
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):  # a build without the op: no bf16 we can count on
-            return False
-    return False
 
 
 def choose_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tuple[torch.dtype, str]:

@@ -57,19 +57,41 @@ def test_packed_projection_equals_f_linear(shape: tuple[int, ...], with_bias: bo
                                rtol=1e-5, atol=1e-5)
 
 
-def test_only_fp32_weights_on_the_cpu_are_packed(monkeypatch) -> None:
+def test_fp32_weights_are_packed_and_bf16_ones_only_on_bf16_units(monkeypatch) -> None:
     w = torch.randn(8, 4)
-    assert lin.pack(w.to(torch.bfloat16)) is None and lin.pack(w.half()) is None
+    assert lin.pack(w.half()) is None
+    monkeypatch.setattr(lin, "cpu_has_bf16_units", lambda: False)  # bf16 emulated: F.linear stays
+    assert lin.pack(w.to(torch.bfloat16)) is None
     x = torch.randn(2, 4)
     assert torch.equal(lin.linear(x, w, None, None), F.linear(x, w))  # no packed weight: plain F.linear
-    monkeypatch.setattr(lin, "_packing_works", lambda: False)  # a torch without the op
+    monkeypatch.setattr(lin, "_packing_works", lambda dtype=torch.float32: False)  # a torch without the op
     assert lin.pack(w) is None
+    monkeypatch.setattr(lin, "cpu_has_bf16_units", lambda: True)
+    assert lin.pack(w.to(torch.bfloat16)) is None  # units, but no op that agrees: still F.linear
 
 
-def test_the_model_packs_every_projection_in_fp32_and_none_in_bf16() -> None:
+@pytest.mark.skipif(not ONEDNN or not lin.cpu_has_bf16_units() or not lin._packing_works(torch.bfloat16),
+                    reason="this CPU or torch has no bf16 packed linear")
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_packed_bf16_projection_equals_f_linear_to_bf16_rounding(rows: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 40, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 40, generator=gen).to(torch.bfloat16)
+    packed = lin.pack(w)
+    assert packed is not None
+    torch.testing.assert_close(lin.linear(x, w, None, packed).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("units", [False, True])
+def test_the_model_packs_every_projection_in_fp32_and_in_bf16_on_bf16_units(monkeypatch, units: bool) -> None:
+    monkeypatch.setattr(lin, "cpu_has_bf16_units", lambda: units)
     fp32 = load_model("tiny", device="cpu", dtype="float32").model
     bf16 = load_model("tiny", device="cpu", dtype="bfloat16").model
     if ONEDNN:
         assert all(set(layer.packed) == set(layer.PROJECTIONS) for layer in fp32.layers)
         assert fp32.lm_head_packed is not None
-    assert all(not layer.packed for layer in bf16.layers) and bf16.lm_head_packed is None
+    if units and ONEDNN and lin._packing_works(torch.bfloat16):
+        assert all(set(layer.packed) == set(layer.PROJECTIONS) for layer in bf16.layers)
+        assert bf16.lm_head_packed is not None and bf16.lm_head_packed.dtype == torch.bfloat16
+    else:
+        assert all(not layer.packed for layer in bf16.layers) and bf16.lm_head_packed is None

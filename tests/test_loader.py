@@ -63,12 +63,12 @@ def test_dtype_auto_picks_bf16_where_the_cpu_multiplies_it(monkeypatch, units):
     ({}, "aarch64", False, False),
 ])
 def test_cpu_has_bf16_units(monkeypatch, probes, machine, mkldnn, expected):
-    from common import loader
+    from common import linear, loader  # the probe lives with the matmuls it decides (loader re-exports it)
 
     for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         value = probes.get(name, False)
         monkeypatch.setattr(torch.cpu, name, lambda value=value: value, raising=False)
-    monkeypatch.setattr(loader.platform, "machine", lambda: machine)
+    monkeypatch.setattr(linear.platform, "machine", lambda: machine)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn)
     assert loader.cpu_has_bf16_units() is expected
     if machine == "aarch64":  # a build without the op (or without oneDNN) answers no, never raises
