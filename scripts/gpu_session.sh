@@ -8,9 +8,10 @@
 # SECONDS; one that fails or runs out is logged and the rest go on. A step that finished at this
 # commit in an earlier call is not run again, nor one listed in scripts/gpu_steps_done.txt (measured
 # at an earlier commit, its files committed, what it measures unchanged since: delete its line when
-# that changes; a field added to the engine's stats later is not such a change). Test steps print each test's name as it starts and dump the stacks of
-# one that runs over a minute, so a log cut short still says where. After every step the results so far (written into
-# docs/results/cuda/) and the logs are packed into $OUT/results.tgz. Every engine is a fresh
+# that changes; a field added to the engine's stats later is not such a change). Test steps print
+# each test's name as it starts and dump the stacks of one that runs over a minute, so a log cut
+# short still says where. After every step the results so far (written into docs/results/cuda/)
+# and the logs are packed into $OUT/results.tgz. Every engine is a fresh
 # process, about 25 s on an H200 before it measures anything: 470 s hold about twenty of them.
 #
 # On a GPU machine without a package index, whose files come in calls of 64 MiB (the borrowed
@@ -94,9 +95,9 @@ step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --wo
     --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
 # Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst),
 # before the benches: at 5cd06ec its median step was 5.0 ms while 1 % of the gaps between tokens
-# took 200 ms. The probe lists the slowest steps with their batch; the second run
-# turns off SDPA's cuDNN backend, which builds a plan for each new shape (a recomputed prompt is a
-# new length each time).
+# took 200 ms. The probe lists the slowest steps with their batch, and which ran eagerly; the
+# second run turns off SDPA's cuDNN backend, which builds a plan for each new shape (a recomputed
+# prompt is a new length each time).
 step probe-s13 smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
     --json $RESULTS/worker-probe.s13_preemption.$DEVICE.json
 step probe-s13-no-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --no-cudnn-attention \

@@ -274,14 +274,15 @@ def measure(a: argparse.Namespace) -> dict:
     # The model the engine runs: the loaded one, or (tensor parallel) rank 0's share of it
     tp = getattr(engine, "tp", None)
     tp_size = tp.size if tp is not None else 1
+    graphs = getattr(engine, "graphs", None)  # stage 12 on: the decode steps that replay
     window = DecodeWindow(getattr(engine, "model", loaded.model), a.steps, a.batch, loaded.device,
-                          tp.counts if tp_size > 1 else None, getattr(engine, "graphs", None))
+                          tp.counts if tp_size > 1 else None, graphs)
     window.run(engine, requests, profiled=False)  # warm-up: every KV block touched once
     with threads(machine_threads):
         floors = [matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3)]
     times = window.run(engine, requests, profiled=False)
     collectives = {k: v / a.steps for k, v in sorted(window.window_counts.items())}  # per step, in the timed run
-    if tp_size > 1 and loaded.device.type == "cuda" and getattr(engine, "graphs", None) is not None:
+    if tp_size > 1 and loaded.device.type == "cuda" and graphs is not None:
         collectives = None  # a replayed graph runs its collectives without passing the Python that counts them
     with threads(machine_threads):
         floors.append(matmul_floor_ms(loaded.model, a.batch, min_time_s=0.3))
