@@ -24,8 +24,11 @@ CHANGES: list[str] = ["__init__.py", "engine.py", "kv_cache.py", "scheduler.py",
 # Default workload of this stage's benchmark (flags override): 64 different chat questions that
 # may each take 512 tokens; SmolLM2 answers and stops at EOS far sooner. The KV pool holds 8 of
 # them at their worst (8 x 35 blocks of 16 tokens), so stage 12, booking the worst case, runs 8
-# at a time, and this stage as many as the blocks they really use. `make bench` runs post 052's
-# workload on the newest stage instead.
+# at a time, and this stage as many as the blocks they really use. Streams are flushed every 8
+# tokens, as in post 052 and `make bench`: at one token a flush, the benchmark's own client
+# threads wake once per token and, on a 2-core CPU, take turns with the engine's, a cost that
+# grows with the requests a step (the tokens' timestamps are still taken one by one, at sampling).
+# `make bench` runs post 052's workload on the newest stage instead.
 BENCH: dict = {
     "mode": "streaming",
     "chat_prompts": True,
@@ -33,6 +36,7 @@ BENCH: dict = {
     "max_new_tokens": 512,
     "max_batch_size": 64,
     "num_kv_blocks": 280,
+    "stream_interval": 8,
     "warmup_runs": 1,
     "repeat_runs": 2,
 }
