@@ -45,11 +45,11 @@ def test_summary_of_known_sections() -> None:
     """Events with durations set by hand: every field is a sum or an order statistic the code
     could get wrong (a share taken of the wrong wall, the tail counted from the wrong median)."""
     ms = 1e-3
-    events = [  # (section, start s, seconds, rows); a step sits inside its decode, as in the worker
-        ("prefill", 0.000, 4 * ms, 3),
-        ("step", 0.010, 1 * ms, 3), ("decode", 0.010, 2 * ms, 0),
-        ("step", 0.020, 1 * ms, 3), ("decode", 0.020, 2 * ms, 0),
-        ("step", 0.030, 9 * ms, 2), ("decode", 0.030, 10 * ms, 0),  # a slow step: 10 > 2 x median 2
+    events = [  # (section, start s, seconds, rows, eager); a step sits inside its decode, as in the worker
+        ("prefill", 0.000, 4 * ms, 3, None),
+        ("step", 0.010, 1 * ms, 3, None), ("decode", 0.010, 2 * ms, 0, None),
+        ("step", 0.020, 1 * ms, 3, None), ("decode", 0.020, 2 * ms, 0, None),
+        ("step", 0.030, 9 * ms, 2, None), ("decode", 0.030, 10 * ms, 0, None),  # a slow step: 10 > 2 x median 2
     ]
     run = worker_probe.summarize_run(events)
     assert run["worker_wall_s"] == pytest.approx(0.040)
@@ -75,7 +75,7 @@ def test_steps_with_and_without_the_graphs_are_told_apart() -> None:
     assert split["graph_step_ms"] == pytest.approx(2) and split["eager_step_ms"] == pytest.approx(40)
     assert split["eager_step_s_total"] == pytest.approx(0.08)
     assert [s["eager"] for s in worker_probe.decode_tail(steps, steps)["slowest"][:2]] == [True, True]
-    assert worker_probe.eager_split([e[:4] for e in steps]) == {}  # an engine without the count
+    assert worker_probe.eager_split([e[:4] + (None,) for e in steps]) == {}  # an engine without the count
 
 
 def test_stage_12_counts_each_kind_of_step(tmp_path: Path, capsys, tiny) -> None:

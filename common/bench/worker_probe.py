@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 
-Event = tuple  # (section, start, seconds, rows: batch or prompts[, eager: did a step run without a graph])
+Event = tuple[str, float, float, int, bool | None]  # (section, start, seconds, rows: batch or prompts,
+#   eager: did the call run a step without a graph; None where the engine has no graphs to count)
 
 
 class Stopwatch:
@@ -114,11 +115,10 @@ def summarize_run(events: list[Event]) -> dict[str, Any]:
 def eager_split(steps: list[Event]) -> dict[str, Any]:
     """Stage 12 on: how many scheduler steps ran eagerly (prompt chunks, no bucket) and how long
     each kind took, median; nothing for an engine without graphs to count."""
-    flags = [e[4] if len(e) > 4 else None for e in steps]
-    if not steps or any(f is None for f in flags):
+    if not steps or any(e[4] is None for e in steps):
         return {}
-    eager = [e[2] for e, f in zip(steps, flags) if f]
-    graph = [e[2] for e, f in zip(steps, flags) if not f]
+    eager = [e[2] for e in steps if e[4]]
+    graph = [e[2] for e in steps if not e[4]]
     return {"eager_steps": len(eager), "eager_step_ms": 1e3 * statistics.median(eager) if eager else None,
             "eager_step_s_total": sum(eager),
             "graph_steps": len(graph), "graph_step_ms": 1e3 * statistics.median(graph) if graph else None}
@@ -144,7 +144,7 @@ def decode_tail(decodes: list[Event], steps: list[Event], slowest: int = 5) -> d
         "decode_ms_max": ms[-1],
         "slow_decode_steps": len(slow),
         "slow_decode_share": sum(slow) / sum(ms) if sum(ms) else 0.0,
-        "slowest": [{"step": i, "ms": 1e3 * e[2], "batch": e[3], "eager": e[4] if len(e) > 4 else None}
+        "slowest": [{"step": i, "ms": 1e3 * e[2], "batch": e[3], "eager": e[4]}
                     for i, e in ranked],
     }
 
