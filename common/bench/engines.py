@@ -176,8 +176,8 @@ KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache
                "tensor_parallel_size": "Tensor parallel size"}
 
 
-def knob_header(spec: EngineSpec) -> dict:
-    """Report lines for the knobs this engine took (and its prefix cache, if it has one)."""
+def knob_header(spec: EngineSpec, device: str = "cpu") -> dict:
+    """Report lines for the knobs this engine took (and its prefix cache, if it has one), on `device`."""
     header = {KNOB_LABELS[k]: v for k, v in spec.knobs.items() if k in KNOB_LABELS}
     if spec.module is not None and accepted(spec.module.InferenceEngine, {"prefix_cache_max_entries": 0}):
         size = spec.knobs.get("prefix_cache_max_entries")
@@ -186,8 +186,11 @@ def knob_header(spec: EngineSpec) -> dict:
         header["Prefix cache"] = "off" if spec.knobs.get("enable_prefix_caching") is False else "on (full blocks)"
     if spec.module is not None and accepted(spec.module.InferenceEngine, {"enforce_eager": True}):
         size = spec.knobs.get("max_cudagraph_capture_size")
-        header["CUDA graphs"] = ("off (--enforce-eager)" if spec.knobs.get("enforce_eager") else
-                                 f"decode steps up to batch {size or 'max'} (captured on CUDA, the same path eager on a CPU)")
+        eager = spec.knobs.get("enforce_eager")
+        header["CUDA graphs"] = ("off (--enforce-eager)" if eager else
+                                 "off: a CPU has no launches to save (--no-enforce-eager runs the padded path)"
+                                 if eager is None and not device.startswith("cuda") else
+                                 f"decode steps up to batch {size or 'max'} (captured on CUDA, the same padded path eager on a CPU)")
     return header
 
 
@@ -200,5 +203,5 @@ def dtype_line(loaded) -> str:
 def offline_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict:
     return {"Model": loaded.name, "Device": str(loaded.device), "Dtype": dtype_line(loaded),
             "Engine": spec.name, "Mode": "offline generate()", "Workload": describe_workload(args),
-            "Max batch size": args.max_batch_size, **knob_header(spec),
+            "Max batch size": args.max_batch_size, **knob_header(spec, str(loaded.device)),
             "Repeats": f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"}

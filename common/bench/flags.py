@@ -90,7 +90,9 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
                    help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
-    g.add_argument("--enforce-eager", action="store_true", help="stage 12+: no CUDA graphs, every step eager (vLLM's flag)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="stage 12+: no CUDA graphs, every step eager (vLLM's flag; the default on a CPU). "
+                        "--no-enforce-eager runs the graphs' padded path on a CPU too")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="stage 12+: the largest decode batch captured as a CUDA graph (default: max batch size)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -258,7 +260,7 @@ def accepted(callable_: Any, knobs: dict) -> dict:
 
 def engine_knobs(args: argparse.Namespace) -> dict:
     knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
-    knobs["enforce_eager"] = True if getattr(args, "enforce_eager", False) else None  # offered only when asked for
+    knobs["enforce_eager"] = getattr(args, "enforce_eager", None)  # offered only when asked for, either way
     if args.no_prefix_cache:
         knobs["prefix_cache_max_entries"] = 0
         knobs["enable_prefix_caching"] = False

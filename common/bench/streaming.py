@@ -197,6 +197,6 @@ def streaming_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict
         header["Prefill max batch size"] = args.prefill_max_batch_size or args.max_batch_size
     if args.max_queue_delay_ms and accepted(spec.module.SchedulerManager, {"max_queue_delay_ms": 0}):
         header["Max queue delay"] = f"{args.max_queue_delay_ms:g} ms (quiet {args.queue_quiet_ms:g} ms)"
-    header.update(knob_header(spec))
+    header.update(knob_header(spec, str(loaded.device)))
     header["Repeats"] = f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"
     return header

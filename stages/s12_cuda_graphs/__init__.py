@@ -6,7 +6,7 @@ kernels). Now the engine captures its decode step as a CUDA graph for each bucke
 size (1, 2, 4, 8, then every 16) and block-table width (powers of two), once, at start, and a
 decode-only step copies its inputs into the graph's static buffers and replays it with one
 launch. Padded rows write into a scratch block no sequence owns. Steps with prompt chunks run
-eagerly, as in stage 11; so does everything on a CPU, through the same padded path. This goes
+eagerly, as in stage 11; so does everything on a CPU, unless `enforce_eager=False`. This goes
 past the source posts. Touches cuda_graphs.py (new), engine.py, kv_cache.py.
 """
 
@@ -22,7 +22,7 @@ CHANGES: list[str] = ["__init__.py", "cuda_graphs.py", "engine.py", "kv_cache.py
 
 # Default workload of this stage's benchmark (flags override): 64 short prompts at once, 128 new
 # tokens each, one decode batch of 64: a run that is decode steps, where a graph replaces the
-# launches (on a GPU; on a CPU stage 12 does stage 11's work, and its padding). `make bench` runs post 052's
+# launches (on a GPU; on a CPU stage 12 runs stage 11's eager step). `make bench` runs post 052's
 # workload on the newest stage instead.
 BENCH: dict = {
     "mode": "streaming",

@@ -5,8 +5,9 @@ launching a few hundred small kernels from Python while the GPU mostly waits. No
 no prompt chunk in it goes through `DecodeGraphs` (cuda_graphs.py): its inputs are copied into
 static buffers padded to a captured bucket, and one `replay()` launches the whole forward.
 Steps with prompt chunks, and batches above the largest bucket, run eagerly, exactly as stage
-11. On a CPU nothing is captured; the same padded path runs eagerly, so CI runs every line but
-the capture. `enforce_eager=True` (vLLM's name) skips the graphs altogether.
+11. On a CPU nothing is captured, and the engine runs eagerly unless `enforce_eager=False` asks
+for the padded path (the tests do, so CI runs every line but the capture). `enforce_eager=True`
+(vLLM's name) skips the graphs on a GPU too.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class InferenceEngine:
                  kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 enforce_eager: bool = False, max_cudagraph_capture_size: int | None = None) -> None:
+                 enforce_eager: bool | None = None, max_cudagraph_capture_size: int | None = None) -> None:
         if int(max_batch_size) <= 0:
             raise ValueError("max_batch_size must be positive")
         if int(block_size) <= 0:
@@ -166,6 +167,11 @@ class InferenceEngine:
         self._peak_blocks = 0
         self.graph_steps = self.eager_steps = 0  # steps run through the decode graphs, and the rest
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
+        # Graphs save kernel launches, which only a GPU has: on a CPU the buckets' padding would be
+        # all cost, so the default there is eager, as in vLLM's CPU backend. enforce_eager=False
+        # runs the padded path on a CPU anyway (the tests do: every line but the capture and replay).
+        if enforce_eager is None:
+            enforce_eager = self.device.type != "cuda"
         # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
         self.graphs = None if enforce_eager else DecodeGraphs(self, capture_size)
 

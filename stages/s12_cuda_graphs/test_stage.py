@@ -1,7 +1,8 @@
 """Stage 12's own idea: decode-only steps run through padded buckets, as CUDA graphs replay them.
 
 Cross-stage parity is in tests/test_parity.py, the GPU itself in tests/test_cuda.py. Here, on any
-device (on a CPU the same buckets, buffers and padding run, the graph's function called eagerly):
+device (on a CPU, asked with enforce_eager=False, the same buckets, buffers and padding run, the
+graph's function called eagerly; by default a CPU engine runs eagerly, as vLLM's CPU backend does):
 greedy tokens equal transformers' and the eager path's for batches that fill a bucket and that
 don't, for sequences that cross a block and a table-width bucket mid-run, for requests joining
 and leaving between steps, and after a cancel; padded rows never write into a live block; the
@@ -75,7 +76,7 @@ def test_buckets() -> None:
 def test_tokens_equal_transformers_and_the_eager_path(n: int, tiny, hf_greedy) -> None:
     prompts = [_ids(2 + 3 * i, seed=10 * n + i) for i in range(n)]
     params = SamplingParams(max_new_tokens=9, stop_on_eos=False)
-    graphs = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS)
+    graphs = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS, enforce_eager=False)
     eager = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS, enforce_eager=True)
     runs = _spy_runs(graphs)
     got = [c.token_ids for c in graphs.generate([Request(prompt_token_ids=p, params=params) for p in prompts])]
@@ -90,7 +91,7 @@ def test_sequences_cross_a_block_and_a_width_bucket_mid_run(tiny, hf_greedy) -> 
     """A 3-token prompt that generates 30 tokens fills 1, 2, ... 9 blocks of 4: the table's width
     crosses the buckets 1, 2, 4, 8 and 16 while the batch decodes."""
     prompts = [_ids(3, seed=1), _ids(6, seed=2)]
-    engine = s12.InferenceEngine(tiny, max_batch_size=2, block_size=BS)
+    engine = s12.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=False)
     widths: list[int] = []
     run = engine.graphs.run
     engine.graphs.run = lambda ids, rows, p, s, nb: (widths.append(bucket(nb, engine.graphs.widths)), run(ids, rows, p, s, nb))[1]
@@ -104,7 +105,7 @@ def test_sequences_cross_a_block_and_a_width_bucket_mid_run(tiny, hf_greedy) -> 
 def test_padded_rows_never_touch_a_live_block(tiny) -> None:
     """A step of 5 in the bucket of 8 after a step of 8: the 3 padded rows carry stale rows of the
     bigger step unless they are reset; only the 5 new slots and the pad block may change."""
-    engine = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS)
+    engine = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS, enforce_eager=False)
     sched = s12.OnlineScheduler(engine, max_batch_size=8)
     params = [SamplingParams(max_new_tokens=3 if i < 3 else 12, stop_on_eos=False) for i in range(8)]
     ids = [sched.add_request(prompt_token_ids=_ids(5 + i, seed=40 + i), params=p) for i, p in enumerate(params)]
@@ -151,7 +152,7 @@ class _CaptureRules(TorchDispatchMode):
 
 
 def test_the_captured_function_is_capturable_and_the_same_for_every_batch_of_a_bucket(tiny) -> None:
-    engine = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS)
+    engine = s12.InferenceEngine(tiny, max_batch_size=8, block_size=BS, enforce_eager=False)
     sched = s12.OnlineScheduler(engine, max_batch_size=8)
     ops_of: dict[int, list[str]] = {}
     forward = engine.graphs.forward
@@ -181,7 +182,7 @@ def test_the_captured_function_is_capturable_and_the_same_for_every_batch_of_a_b
 
 def test_steps_with_chunks_and_batches_above_the_largest_bucket_run_eagerly(tiny, hf_greedy) -> None:
     engine = s12.InferenceEngine(tiny, max_batch_size=6, block_size=BS, max_cudagraph_capture_size=4,
-                                 max_num_batched_tokens=12)
+                                 max_num_batched_tokens=12, enforce_eager=False)
     assert engine.graphs.batch_sizes == [1, 2, 4]
     runs = _spy_runs(engine)
     calls: list[bool] = []  # per step forward: did it have prompt chunks?
@@ -200,7 +201,7 @@ def test_steps_with_chunks_and_batches_above_the_largest_bucket_run_eagerly(tiny
 
 def test_joining_leaving_and_cancelling_between_replays(tiny, hf_greedy) -> None:
     rng = random.Random(7)
-    engine = s12.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=64)
+    engine = s12.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=64, enforce_eager=False)
     with s12.SchedulerManager(engine, max_batch_size=4) as mgr:
         handles = []
         for i in range(14):
@@ -217,11 +218,26 @@ def test_joining_leaving_and_cancelling_between_replays(tiny, hf_greedy) -> None
     _all_free(engine)
 
 
+def test_a_cpu_engine_runs_eagerly_unless_asked_for_the_padded_path(tiny, hf_greedy) -> None:
+    """The graphs save launches, which only a GPU has: on a CPU the default is eager (no buckets,
+    no padding), and enforce_eager=False gives the padded path the tests above run."""
+    default = s12.InferenceEngine(tiny, max_batch_size=4, block_size=BS)
+    padded = s12.InferenceEngine(tiny, max_batch_size=4, block_size=BS, enforce_eager=False)
+    assert default.graphs is None and isinstance(padded.graphs, s12.DecodeGraphs)
+    prompts = [_ids(3 + 2 * i, seed=90 + i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=6, stop_on_eos=False)
+    for engine in (default, padded):
+        got = [c.token_ids for c in engine.generate([Request(prompt_token_ids=p, params=params) for p in prompts])]
+        assert got == [hf_greedy(p, 6) for p in prompts]
+    assert default.kv_stats()["graph_steps"] == 0 < default.kv_stats()["eager_steps"]
+    assert padded.kv_stats()["graph_steps"] > 0
+
+
 def test_bad_knobs_are_refused_by_name_and_close_frees_the_graphs(tiny) -> None:
     for bad in (0, -1, 9):
         with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
             s12.InferenceEngine(tiny, max_batch_size=8, max_cudagraph_capture_size=bad)
-    engine = s12.InferenceEngine(tiny, max_batch_size=2, block_size=BS)
+    engine = s12.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=False)
     assert engine.kv_stats()["cudagraphs"] == len(engine.graphs.graphs)
     engine.close()
     assert engine.graphs is None and engine.kv_stats()["cudagraphs"] == 0

@@ -18,11 +18,12 @@ step is made to fit one:
   way), and all graphs share one memory pool, captured largest first, so the cost in memory is
   about one largest step, not one per graph. Sampling stays outside, on the first B rows.
 
-On a CPU there is nothing to capture: the same buckets, buffers and padding run, and the
-function a graph would hold is called eagerly. So every line but `torch.cuda.graph` and
-`replay` runs in CI, and what a capture forbids (a host sync, a shape that depends on data, a
-tensor made from Python values) must not happen in `forward` on either device: the stage's
-tests check it with a dispatch mode that fails on such ops.
+On a CPU there is nothing to capture and no launch to save, so an engine there runs eagerly
+unless asked (`enforce_eager=False`): then the same buckets, buffers and padding run, and the
+function a graph would hold is called eagerly. The stage's tests ask, so every line but
+`torch.cuda.graph` and `replay` runs in CI, and what a capture forbids (a host sync, a shape
+that depends on data, a tensor made from Python values) must not happen in `forward` on either
+device: the tests check it with a dispatch mode that fails on such ops.
 """
 
 from __future__ import annotations

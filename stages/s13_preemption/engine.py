@@ -151,7 +151,7 @@ class InferenceEngine:
                  kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 enforce_eager: bool = False, max_cudagraph_capture_size: int | None = None) -> None:
+                 enforce_eager: bool | None = None, max_cudagraph_capture_size: int | None = None) -> None:
         if int(max_batch_size) <= 0:
             raise ValueError("max_batch_size must be positive")
         if int(block_size) <= 0:
@@ -183,6 +183,11 @@ class InferenceEngine:
         self.recomputed_tokens = 0
         self._steps, self._usage_sum, self._batch_sum, self._batch_peak = 0, 0.0, 0, 0
         self._waiting_steps, self._waiting_usage_sum = 0, 0.0
+        # Graphs save kernel launches, which only a GPU has: on a CPU the buckets' padding would be
+        # all cost, so the default there is eager, as in vLLM's CPU backend. enforce_eager=False
+        # runs the padded path on a CPU anyway (the tests do: every line but the capture and replay).
+        if enforce_eager is None:
+            enforce_eager = self.device.type != "cuda"
         # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
         self.graphs = None if enforce_eager else DecodeGraphs(self, capture_size)
 

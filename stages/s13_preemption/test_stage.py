@@ -6,7 +6,9 @@ transformers gives (greedy, fp32), streamed once each, in order; a preemption in
 chunked prefill, of a prefix-cache hit, or right after a cancel loses nothing; a randomized
 submit/cancel run under a tiny pool leaves every block free and the cache consistent; a prompt
 that can never fit is refused at once, and a request that outgrows the whole pool ends with an
-error, never a hang.
+error, never a hang. The engines run the CUDA graphs' padded path (enforce_eager=False: on a
+CPU, the same function called eagerly), the path a GPU takes; two tests run a CPU's default eager
+path too.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _run(engine, prompts, new_tokens):
 
 
 def test_admission_books_the_prompt_not_the_worst_case(tiny) -> None:
-    engine = s13.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=64)
+    engine = s13.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=64, enforce_eager=False)
     sched = s13.OnlineScheduler(engine, max_batch_size=4)
     rid = sched.add_request(prompt_token_ids=_ids(9, seed=1), params=SamplingParams(max_new_tokens=100, stop_on_eos=False))
     assert engine.pool.allocator.reserved == 3  # 9 tokens: 3 blocks of 4, not the 28 of 109 tokens
@@ -60,11 +62,12 @@ def test_admission_books_the_prompt_not_the_worst_case(tiny) -> None:
     assert len(sched.session(rid).block_table) == 4
 
 
-def test_a_roomy_pool_never_preempts_and_a_tight_one_gives_the_same_tokens(tiny, hf_greedy) -> None:
+@pytest.mark.parametrize("enforce_eager", [None, False], ids=["eager", "padded"])  # a CPU's default; a GPU's path
+def test_a_roomy_pool_never_preempts_and_a_tight_one_gives_the_same_tokens(enforce_eager, tiny, hf_greedy) -> None:
     prompts = [_ids(3 + 2 * i, seed=i) for i in range(8)]
     new_tokens = [30 + 3 * i for i in range(8)]
-    roomy = s13.InferenceEngine(tiny, max_batch_size=8, block_size=BS, num_kv_blocks=200)
-    tight = s13.InferenceEngine(tiny, max_batch_size=8, block_size=BS, num_kv_blocks=24)
+    roomy = s13.InferenceEngine(tiny, max_batch_size=8, block_size=BS, num_kv_blocks=200, enforce_eager=enforce_eager)
+    tight = s13.InferenceEngine(tiny, max_batch_size=8, block_size=BS, num_kv_blocks=24, enforce_eager=enforce_eager)
     expected = [hf_greedy(p, n) for p, n in zip(prompts, new_tokens)]
     assert _run(roomy, prompts, new_tokens) == expected
     assert roomy.kv_stats()["num_preemptions"] == 0
@@ -76,7 +79,7 @@ def test_a_roomy_pool_never_preempts_and_a_tight_one_gives_the_same_tokens(tiny,
 
 
 def test_a_preempted_stream_gets_every_token_once_in_order(tiny, hf_greedy) -> None:
-    engine = s13.InferenceEngine(tiny, max_batch_size=6, block_size=BS, num_kv_blocks=20)
+    engine = s13.InferenceEngine(tiny, max_batch_size=6, block_size=BS, num_kv_blocks=20, enforce_eager=False)
     prompts = [_ids(4 + i, seed=20 + i) for i in range(6)]
     with s13.SchedulerManager(engine, max_batch_size=6, stream_interval=1) as mgr:
         handles = [mgr.add_request(prompt_token_ids=p, max_new_tokens=25, stop_on_eos=False) for p in prompts]
@@ -95,7 +98,8 @@ def test_preempted_in_the_middle_of_a_chunked_prefill(tiny, hf_greedy) -> None:
     14 blocks of 4. The streams hold 3 blocks each (12 tokens) when the 22-token prompt books its
     6, which leaves exactly one spare block per stream. Four tokens later both streams start a
     block again, with the prompt 16 tokens into its prefill (4 a step): the pool is dry."""
-    engine = s13.InferenceEngine(tiny, max_batch_size=3, block_size=BS, num_kv_blocks=14, max_num_batched_tokens=6)
+    engine = s13.InferenceEngine(tiny, max_batch_size=3, block_size=BS, num_kv_blocks=14, max_num_batched_tokens=6,
+                                 enforce_eager=False)
     sched = s13.OnlineScheduler(engine, max_batch_size=3)
     stream_prompts = [_ids(3, seed=30 + i) for i in range(2)]
     streams = [sched.add_request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=20, stop_on_eos=False))
@@ -120,7 +124,7 @@ def test_preempted_in_the_middle_of_a_chunked_prefill(tiny, hf_greedy) -> None:
 def test_a_readmission_takes_back_what_the_prefix_cache_still_holds(tiny, hf_greedy) -> None:
     """A preempted session's full blocks go into the prefix cache; readmitted while nobody has
     needed them, its recompute takes them back instead of computing them."""
-    engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=40)
+    engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=40, enforce_eager=False)
     sched = s13.OnlineScheduler(engine, max_batch_size=2)
     prompt = _ids(10, seed=40)
     rid = sched.add_request(prompt_token_ids=prompt, params=SamplingParams(max_new_tokens=12, stop_on_eos=False))
@@ -142,7 +146,7 @@ def test_a_readmission_takes_back_what_the_prefix_cache_still_holds(tiny, hf_gre
 
 
 def test_preemption_right_after_a_cancel(tiny, hf_greedy) -> None:
-    engine = s13.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=16)
+    engine = s13.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=16, enforce_eager=False)
     prompts = [_ids(5, seed=50 + i) for i in range(4)]
     with s13.SchedulerManager(engine, max_batch_size=4) as mgr:
         handles = [mgr.add_request(prompt_token_ids=p, max_new_tokens=24, stop_on_eos=False) for p in prompts]
@@ -155,10 +159,12 @@ def test_preemption_right_after_a_cancel(tiny, hf_greedy) -> None:
     _all_free(engine)
 
 
-def test_randomized_submit_and_cancel_under_a_tiny_pool(tiny, hf_greedy) -> None:
+@pytest.mark.parametrize("enforce_eager", [None, False], ids=["eager", "padded"])
+def test_randomized_submit_and_cancel_under_a_tiny_pool(enforce_eager, tiny, hf_greedy) -> None:
     rng = random.Random(61)
     systems = [_ids(rng.randint(BS, 3 * BS), seed=600 + i) for i in range(3)]
-    engine = s13.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=18, max_num_batched_tokens=9)
+    engine = s13.InferenceEngine(tiny, max_batch_size=4, block_size=BS, num_kv_blocks=18, max_num_batched_tokens=9,
+                                 enforce_eager=enforce_eager)
     with s13.SchedulerManager(engine, max_batch_size=4, prefill_max_batch_size=3) as mgr:
         handles = []
         for i in range(24):
@@ -176,7 +182,7 @@ def test_randomized_submit_and_cancel_under_a_tiny_pool(tiny, hf_greedy) -> None
 
 
 def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny, hf_greedy) -> None:
-    engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=4)
+    engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=4, enforce_eager=False)
     with pytest.raises(ValueError, match="prompt needs 5 KV blocks"):
         _run(engine, [_ids(16, seed=1)], [4])  # 16 + 1 tokens: 5 blocks of 4
     with pytest.raises(ValueError, match="past the whole pool"):

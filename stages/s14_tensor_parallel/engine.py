@@ -179,7 +179,7 @@ class InferenceEngine:
                  kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 enforce_eager: bool = False, max_cudagraph_capture_size: int | None = None,
+                 enforce_eager: bool | None = None, max_cudagraph_capture_size: int | None = None,
                  tensor_parallel_size: int = 1) -> None:
         if int(max_batch_size) <= 0:
             raise ValueError("max_batch_size must be positive")
@@ -227,7 +227,7 @@ class InferenceEngine:
             raise SystemExit(0)
 
     def _build(self, loaded: LoadedModel, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-               enforce_eager: bool, capture_size: int) -> None:
+               enforce_eager: bool | None, capture_size: int) -> None:
         """This rank's share of the model, its KV pool and cache, and its decode graphs."""
         if self.tp.size > 1:  # every rank reads its own share of the checkpoint (sharding.py)
             self.model = load_shard(self.tp, loaded.path, loaded.config, self.device, loaded.dtype)
@@ -244,6 +244,11 @@ class InferenceEngine:
         self._steps, self._usage_sum, self._batch_sum, self._batch_peak = 0, 0.0, 0, 0
         self._waiting_steps, self._waiting_usage_sum = 0, 0.0
         self._step_lock = threading.Lock()  # held while a step runs: close() must not start a collective beside it
+        # Graphs save kernel launches, which only a GPU has: on a CPU the buckets' padding would be
+        # all cost, so the default there is eager, as in vLLM's CPU backend. enforce_eager=False
+        # runs the padded path on a CPU anyway (the tests do: every line but the capture and replay).
+        if enforce_eager is None:
+            enforce_eager = self.device.type != "cuda"
         # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
         self.graphs = None if enforce_eager else DecodeGraphs(self, capture_size)
 
@@ -504,7 +509,7 @@ class InferenceEngine:
         (on a rank other than 0, its slice of the vocabulary)."""
         dev = self.device
         decode = None if step.decode is None else tuple(t.to(dev) for t in step.decode)
-        if step.graph:  # decode only: a replay (on a CPU, the same padded function, eagerly)
+        if step.graph:  # decode only: a replay (on a CPU with enforce_eager=False, the same padded function, eagerly)
             return graphs.run(step.ids, step.positions.to(dev), *decode)  # [B, V]
         prefill_attention = None
         if step.prefill is not None:
