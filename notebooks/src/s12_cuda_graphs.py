@@ -27,9 +27,11 @@ print("a step of 5 sequences, the longest in 3 blocks, runs in", (bucket(5, batc
 
 # %% [markdown]
 # ## One engine, every decode step through a bucket
-# The engine builds its `DecodeGraphs` at start (on a GPU it captures them there). Wrap `run` to
-# see, for every decode-only step, the real batch and the bucket it ran in. Steps that carry a
-# prompt chunk do not come here: they run eagerly, as in stage 11.
+# The engine builds its `DecodeGraphs` at start (on a GPU it captures them there). On a CPU an
+# engine runs eagerly unless asked: there are no launches to save, and the padding would be all
+# cost. `enforce_eager=False` asks, so the padded path runs here too. Wrap `run` to see, for
+# every decode-only step, the real batch and the bucket it ran in. Steps that carry a prompt
+# chunk do not come here: they run eagerly, as in stage 11.
 
 # %%
 BS = 4
@@ -38,7 +40,7 @@ def token_ids(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(n)]
 
-engine = s12.InferenceEngine(loaded, max_batch_size=8, block_size=BS)
+engine = s12.InferenceEngine(loaded, max_batch_size=8, block_size=BS, enforce_eager=False)
 print("buckets:", engine.graphs.batch_sizes, "x widths:", engine.graphs.widths)
 seen = []
 run = engine.graphs.run
