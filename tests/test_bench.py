@@ -477,3 +477,15 @@ def test_hf_baseline_matches_hf_generate_one_at_a_time(tiny, hf_tiny):
         assert c.timings["submitted"] <= c.timings["first_token"] == c.token_timestamps[0]
     assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 3
     assert engine.kv_stats()["peak_kv_bytes"] > 0
+
+
+def test_enforce_eager_is_three_way_and_reaches_the_engine_only_when_given() -> None:
+    """Unset: the engine picks (graphs on CUDA, eager on a CPU); --enforce-eager and
+    --no-enforce-eager reach stage 12+ engines as True and False."""
+    from common.bench.flags import accepted, build_parser, engine_knobs
+    from stages import s12_cuda_graphs as s12
+
+    parser = build_parser("test")
+    for argv, want in (([], None), (["--enforce-eager"], True), (["--no-enforce-eager"], False)):
+        knobs = accepted(s12.InferenceEngine, engine_knobs(parser.parse_args(argv)))
+        assert knobs.get("enforce_eager") is want
