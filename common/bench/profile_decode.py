@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="requests in the batch (one decode row each)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="stage 14: ranks the model is split across (the profile is rank 0's)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="stage 12+: no CUDA graphs (the default on a CPU); --no-enforce-eager profiles the padded path")
     p.add_argument("--prompt-len", type=int, default=160, help="random prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed and profiled (after 4 skipped)")
     p.add_argument("--seed", type=int, default=0)
@@ -258,7 +260,7 @@ def measure(a: argparse.Namespace) -> dict:
     from common.bench.workloads import model_token_range, random_token_ids
 
     machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
-    package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch,
+    package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,
                                                "tensor_parallel_size": a.tensor_parallel_size})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]

@@ -74,6 +74,13 @@ class Stopwatch:
         cls.__init__ = init
 
 
+def eager_count(scheduler: Any) -> int | None:
+    """The engine's count of eager steps, where some steps may go through the decode graphs (stage
+    12 on, graphs on): None for an engine without graphs, every step of which is eager."""
+    engine = scheduler.engine
+    return engine.eager_steps if getattr(engine, "graphs", None) is not None else None
+
+
 def instrument(stage_package: str) -> Stopwatch:
     """Stopwatches on the stage's SchedulerManager and OnlineScheduler classes (this process only)."""
     server = importlib.import_module(f"{stage_package}.server")
@@ -81,7 +88,7 @@ def instrument(stage_package: str) -> Stopwatch:
     watch = Stopwatch()
     watch.new_run(server.SchedulerManager)
     watch.wrap(server.SchedulerManager, "_run_decode_once", "decode", lambda a, out: 0)
-    watch.wrap(scheduler, "step", "step", lambda a, out: len(out), lambda s: getattr(s.engine, "eager_steps", None))
+    watch.wrap(scheduler, "step", "step", lambda a, out: len(out), eager_count)
     if hasattr(scheduler, "add_requests"):
         watch.wrap(scheduler, "add_requests", "prefill", lambda a, out: len(a[0]))
     else:

@@ -162,7 +162,9 @@ def command_from(data: dict) -> str:
         if key in CONFIG_SKIP or val is None or (offline and key in STREAMING_ONLY):
             continue
         flag = "--" + key.replace("_", "-")
-        if key in FLAGS_FOR_FALSE:
+        if key == "enforce_eager":  # three-way: unset (None, skipped above), --enforce-eager, --no-enforce-eager
+            parts.append(flag if val else "--no-enforce-eager")
+        elif key in FLAGS_FOR_FALSE:
             if val is False:
                 parts.append(FLAGS_FOR_FALSE[key])
         elif val is True:

@@ -4,8 +4,9 @@
 # other, while the GPU mostly waits. This stage **captures** the decode step once per bucket of
 # batch size and block-table width, and **replays** it with one launch. A step's inputs are
 # copied into the graph's static buffers, padded up to the bucket; padded rows write into a
-# scratch block nobody owns. On a CPU nothing is captured: the same padded path runs eagerly,
-# which is what this notebook shows (on a GPU, `device="cuda"` below captures for real).
+# scratch block nobody owns. On a CPU nothing is captured, and an engine runs eagerly unless
+# asked: this notebook asks (`enforce_eager=False`), so the same padded path runs eagerly here
+# (on a GPU, `device="cuda"` below captures for real).
 
 # %% include _setup.py
 
