@@ -91,7 +91,7 @@ def write_chart(data: dict, path: Path) -> None:
     log = min(p50) > 0 and max(p99) / min(p50) > 10  # one slow rung would flatten all the others
     b.set_xlabel("time to first token (ms, lower is better" + (", log scale)" if log else ")"))
     groups = [("#5c6bc0", "static batches (01-03)"), ("#26a69a", "continuous batching (04-09)"),
-              ("#ef6c00", "past the posts (10-11)"), ("#9e9e9e", "Hugging Face")]
+              ("#ef6c00", "past the posts (10+)"), ("#9e9e9e", "Hugging Face")]
     groups = [g for g in groups if g[0] in colors]  # a ladder of a few rungs lists only their groups
     handles = [Patch(color=c, label=t) for c, t in groups]
     handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=12,
