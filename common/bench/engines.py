@@ -176,7 +176,7 @@ KNOB_LABELS = {"block_size": "Block size", "kv_cache_max_concurrency": "KV cache
                "tensor_parallel_size": "Tensor parallel size"}
 
 
-def knob_header(spec: EngineSpec, device: str = "cpu") -> dict:
+def knob_header(spec: EngineSpec, device: str) -> dict:
     """Report lines for the knobs this engine took (and its prefix cache, if it has one), on `device`."""
     header = {KNOB_LABELS[k]: v for k, v in spec.knobs.items() if k in KNOB_LABELS}
     if spec.module is not None and accepted(spec.module.InferenceEngine, {"prefix_cache_max_entries": 0}):
@@ -187,10 +187,13 @@ def knob_header(spec: EngineSpec, device: str = "cpu") -> dict:
     if spec.module is not None and accepted(spec.module.InferenceEngine, {"enforce_eager": True}):
         size = spec.knobs.get("max_cudagraph_capture_size")
         eager = spec.knobs.get("enforce_eager")
-        header["CUDA graphs"] = ("off (--enforce-eager)" if eager else
-                                 "off: a CPU has no launches to save (--no-enforce-eager runs the padded path)"
-                                 if eager is None and not device.startswith("cuda") else
-                                 f"decode steps up to batch {size or 'max'} (captured on CUDA, the same padded path eager on a CPU)")
+        if eager is None:  # the engine picks by device (stages 12+: graphs on CUDA only)
+            eager = not device.startswith("cuda")
+            off = "off: a CPU has no launches to save (--no-enforce-eager runs the padded path)"
+        else:
+            off = "off (--enforce-eager)"
+        header["CUDA graphs"] = (off if eager else f"decode steps up to batch {size or 'max'} "
+                                 "(captured on CUDA, the same padded path eager on a CPU)")
     return header
 
 

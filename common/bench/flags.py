@@ -78,6 +78,14 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
 ]
 
 
+def add_enforce_eager_arg(g: argparse._ActionsContainer) -> None:
+    """Three ways, as the engines of stages 12+ take it: unset (None: graphs on CUDA, eager on a
+    CPU), --enforce-eager (True) or --no-enforce-eager (False: the padded path on a CPU too)."""
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="stage 12+: no CUDA graphs, every step eager (vLLM's flag; the default on a CPU). "
+                        "--no-enforce-eager runs the graphs' padded path on a CPU too")
+
+
 def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
     """The stages' engine knobs as flags (the benches and `stagewise serve`); `engine_knobs`
     reads them back, and each is passed only to stages whose constructor takes it."""
@@ -90,9 +98,7 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
                    help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="stage 12+: no CUDA graphs, every step eager (vLLM's flag; the default on a CPU). "
-                        "--no-enforce-eager runs the graphs' padded path on a CPU too")
+    add_enforce_eager_arg(g)
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="stage 12+: the largest decode batch captured as a CUDA graph (default: max batch size)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,

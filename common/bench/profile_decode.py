@@ -51,7 +51,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import DTYPE_HELP, add_enforce_eager_arg
 from common.bench.report import dtype_lines
 
 GROUPS = {
@@ -83,8 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="requests in the batch (one decode row each)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="stage 14: ranks the model is split across (the profile is rank 0's)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="stage 12+: no CUDA graphs (the default on a CPU); --no-enforce-eager profiles the padded path")
+    add_enforce_eager_arg(p)
     p.add_argument("--prompt-len", type=int, default=160, help="random prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed and profiled (after 4 skipped)")
     p.add_argument("--seed", type=int, default=0)
