@@ -33,8 +33,15 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of `text` with add_special_tokens=False (as the posts do).
 
     No BOS is prepended, so a prompt's ids are exactly what the text (or chat template) says;
-    chat templates already spell out their special tokens.
+    chat templates already spell out their special tokens. A string that is not Unicode text (a
+    lone surrogate, which JSON's "\\ud800" escape can carry) is a ValueError: the tokenizer
+    itself would raise a TypeError that says nothing of the prompt.
     """
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from None
     rust = rust_tokenizer(tokenizer)
     if rust is not None:
         return rust.encode(text, add_special_tokens=False).ids

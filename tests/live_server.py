@@ -41,7 +41,7 @@ class ServerThread:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def blocks_in_use(self) -> int:
-        kv = self.state.kv_blocks().result(30)
+        kv = self.state.check_health().result(30)
         return kv["total"] - kv["free"]
 
     def stop(self) -> None:

@@ -198,6 +198,24 @@ def test_serve_with_the_model_split_across_two_ranks() -> None:
             served.stop()
 
 
+def test_a_dead_rank_makes_the_server_unhealthy_and_fails_requests_with_its_reason() -> None:
+    """Rank 1 killed between requests: rank 0's process lives on, but no step can run, so /health
+    answers 503 with the reason at once (before any request finds out), and a request ends with it."""
+    served = Served("--stage", "14", "--tensor-parallel-size", "2", "--device", "cpu")
+    try:
+        assert served.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
+        (rank,) = served.engine.call(tp_ranks).result(timeout=30)
+        os.kill(rank, signal.SIGKILL)
+        assert _wait(lambda: not _alive(rank), timeout=30)
+        health = httpx.get(served.url + "/health", timeout=10)
+        assert health.status_code == 503 and "rank 1 died" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError, match="rank 1 died"):
+            served.client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        assert httpx.get(served.url + "/health", timeout=10).status_code == 503  # for good
+    finally:
+        served.stop()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -189,7 +189,11 @@ BAD = [  # (path, body, status, param)
      "stream_options"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "mystery": 1}, 400, "mystery"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "Hi \\ud800"}', 400, "prompt"),  # a lone surrogate: not text
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # deeper than Python's stack
     ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
      400, "logprobs"),

@@ -55,3 +55,26 @@ def test_tokenize_messages_through_the_chat_template(live) -> None:
 def test_bad_input_in_openai_shape(live, path: str, body: dict, status: int, param: str) -> None:
     resp = post(live, path, body)
     assert resp.status_code == status and resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body, param", [('{"prompt": "Hi \\ud800"}', "prompt"),
+                                         ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages")])
+def test_a_lone_surrogate_is_a_400_not_a_crash(live, body: str, param: str) -> None:
+    """JSON's \\ud800 escape gives Python a string no tokenizer takes: the completion and /tokenize
+    answer the same 400, naming the field."""
+    resp = httpx.post(live.url + "/tokenize", content=body.encode(), timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+    assert "not valid Unicode" in resp.json()["error"]["message"]
+
+
+def test_a_bug_on_a_fastapi_route_is_a_500_in_openai_shape(live, monkeypatch) -> None:
+    """As a bug on the generation routes is (test_serve.py): OpenAI's shape, not Starlette's text."""
+    import common.serve.tokenization
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(common.serve.tokenization, "tokenize", broken)
+    resp = post(live, "/tokenize", {"prompt": "Hi"})
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "internal_error" and "boom" in resp.json()["error"]["message"]

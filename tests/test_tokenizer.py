@@ -64,6 +64,13 @@ def test_encode_skips_hf_wrapper_with_the_same_ids(tokenizer, text: str) -> None
     assert encode(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_a_string_that_is_not_unicode_text_is_a_value_error(tokenizer) -> None:
+    """A lone surrogate (JSON's "\\ud800" gives one) would be the tokenizer's TypeError; a prompt
+    error names the prompt. Text with every other character still encodes (TEXTS above)."""
+    with pytest.raises(ValueError, match="prompt is not valid Unicode text: surrogates not allowed at index 3"):
+        encode(tokenizer, "Hi \ud800 there")
+
+
 def test_hf_is_called_where_its_wrapper_changes_the_result(tokenizer) -> None:
     """split_special_tokens changes encoding and clean_up_tokenization_spaces decoding: HF's wrapper
     does that part, so those tokenizers (and slow ones, with no Rust backend) go through HF."""

@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.serve.engine_process import call_beside, engine_stats, kv_blocks
+from common.serve.engine_process import call_beside, check_health, engine_stats
 from common.serve.transport import EventStream
 from common.serve.protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id, parse_chat, parse_completion, parse_json, sse, text_event, usage)
 from common.requests import ContextLengthExceeded
@@ -107,13 +107,14 @@ class ServeState:
     def wait_closed(self, timeout: float) -> bool:
         return self._closed.wait(timeout)
 
-    def kv_blocks(self) -> "Future[dict | None]":
-        """The KV pool's free and total blocks, asked of the engine wherever it runs (a Future:
-        an engine in its own process answers over its pipe, and the event loop must not wait)."""
-        return call_beside(self.manager, kv_blocks)
+    def check_health(self) -> "Future[dict | None]":
+        """The KV pool's free and total blocks, or why the engine can run no more steps, asked of
+        the engine wherever it runs (a Future: an engine in its own process answers over its
+        pipe, and the event loop must not wait)."""
+        return call_beside(self.manager, check_health)
 
     def engine_stats(self) -> "Future[dict]":
-        """kv_blocks and the engine's counters (`engine_stats`), asked as kv_blocks is, for /metrics."""
+        """The KV pool and the engine's counters (`engine_stats`), asked as check_health is, for /metrics."""
         return call_beside(self.manager, engine_stats)
 
 
@@ -137,9 +138,12 @@ def _api_error(exc: BaseException, req: ParsedRequest) -> APIError:
     if isinstance(exc, ContextLengthExceeded):  # OpenAI's code for it, and the request's own field name
         name = req.prompt_field if exc.field == "prompt" else req.max_tokens_field
         return APIError(400, f"{name} {exc.detail}", param=name, code="context_length_exceeded")
-    if isinstance(exc, ValueError):  # bad input only the engine can see (a prompt the KV pool can never hold)
-        return APIError(400, str(exc), param=req.prompt_field if str(exc).startswith("prompt") else None,
-                        code="invalid_value")
+    if isinstance(exc, ValueError):  # bad input only the engine sees (a prompt the KV pool can never hold, or not text)
+        text = str(exc)
+        if text.startswith("prompt"):  # named as the request names it: `messages` for a chat
+            name = req.prompt_field
+            return APIError(400, name + text[len("prompt"):], param=name, code="invalid_value")
+        return APIError(400, text, code="invalid_value")
     return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
 
 
@@ -297,13 +301,19 @@ def build_app(state: ServeState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _json(APIError(exc.status_code, str(exc.detail), type_=kind).body(), exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> Response:
+        # A bug on one of FastAPI's routes (/tokenize, /metrics, ...): OpenAI's shape, as the
+        # generation routes answer theirs. Starlette raises it again afterwards, so uvicorn logs it.
+        return _json(APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error").body(), 500)
+
     @app.get("/health")
     async def health() -> Response:
         if state.shutting_down:
             raise APIError(503, SHUTTING_DOWN, type_="service_unavailable")
         try:
-            kv = await asyncio.wrap_future(state.kv_blocks())
-        except RuntimeError as exc:  # the engine's process has ended: this server can answer nothing
+            kv = await asyncio.wrap_future(state.check_health())
+        except RuntimeError as exc:  # the engine's process has ended, or a rank of it: this server can answer nothing
             raise APIError(503, str(exc), type_="service_unavailable") from None
         return _json({"status": "ok", "stage": state.stage, "model": state.model_name, "kv_blocks": kv})
 

@@ -260,6 +260,18 @@ def kv_blocks(manager: Any) -> dict | None:
     return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
 
 
+def check_health(manager: Any) -> dict | None:
+    """`/health`'s answer, `kv_blocks`; RuntimeError if the engine can run no more steps. Only a
+    tensor-parallel engine (stage 14) can be broken while its process lives: a rank that died
+    fails every later step, so the server must not call itself healthy (vLLM answers 503 too).
+    Called where the manager lives, as kv_blocks."""
+    tp = getattr(manager.engine, "tp", None)
+    why = tp.failure() if tp is not None else None
+    if why is not None:
+        raise RuntimeError(why)
+    return kv_blocks(manager)
+
+
 def engine_stats(manager: Any) -> dict:
     """`kv_blocks`, and the engine's own counters from its `kv_stats` (the prefix cache's hits and
     lookups, where the stage has one) for `/metrics`; called where the manager lives, as kv_blocks."""

@@ -79,8 +79,8 @@ def parse_json(raw: bytes) -> dict:
     """The body as a JSON object, or a 400 that says what is wrong with it."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+        raise APIError(400, f"malformed JSON body: {type(exc).__name__}: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     return body

@@ -34,13 +34,16 @@ def tokenize(body: dict, tokenizer: Any, served: str, max_model_len: int) -> dic
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise bad_request("prompt", f"must be a string, got {body['prompt']!r:.80}")
-        text = body["prompt"]
+        field, text = "prompt", body["prompt"]
     else:
         add = body.get("add_generation_prompt", True)
         if not isinstance(add, bool):
             raise bad_request("add_generation_prompt", f"must be true or false, got {add!r}")
-        text = chat_prompt(body, tokenizer, add_generation_prompt=add)
-    ids = encode(tokenizer, text)
+        field, text = "messages", chat_prompt(body, tokenizer, add_generation_prompt=add)
+    try:
+        ids = encode(tokenizer, text)
+    except ValueError as exc:  # not Unicode text (a lone surrogate): the completion would get this 400 too
+        raise bad_request(field, str(exc)) from None
     out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if body.get("return_token_strs"):
         out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)

@@ -159,16 +159,25 @@ class TensorParallel:
         """Rank 0: what every other rank must run now (a step's inputs, or STOP)."""
         if self.size == 1:
             return
-        if self.broken:
+        why = self.failure()
+        if why is not None:
+            if not self.broken:  # a rank died since the last step: stop the others, they wait in vain
+                self.abort(f"{why}; the others were stopped")
             raise RuntimeError(self.broken)
-        for rank, p in enumerate(self.workers, start=1):
-            if not p.is_alive():
-                self.abort(f"tensor parallel: rank {rank} died (exit code {p.exitcode}); the others were stopped")
-                raise RuntimeError(self.broken)
         self.counts["broadcast"] += 1
         self.counts["broadcast_bytes"] += len(pickle.dumps(message))  # what the broadcast pickles and sends
         with record_function("tensor_parallel::broadcast"):
             dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def failure(self) -> str | None:
+        """Why this group can run no more steps (a step was aborted, or a rank this process started
+        has died), or None. It only looks: `/health` asks it from another thread while steps run."""
+        if self.broken:
+            return self.broken
+        for rank, p in enumerate(self.workers, start=1):
+            if not p.is_alive():
+                return f"tensor parallel: rank {rank} died (exit code {p.exitcode})"
+        return None
 
     def follow(self, run: Callable[[Any], None]) -> None:
         """The other ranks: run every step rank 0 sends, until it sends STOP (or dies)."""
