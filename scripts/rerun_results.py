@@ -48,7 +48,11 @@ def result_files(device: str) -> list[Path]:
 
 def argv_for(path: Path, target: Path | None = None) -> list[str]:
     """The command that wrote `path`, as argv for this interpreter, writing `target` (default: `path` again)."""
-    words = shlex.split(command_from(json.loads(path.read_text())))
+    data = json.loads(path.read_text())
+    words = shlex.split(command_from(data))
+    if words[1:2] == ["serve-compare"] and not any(w.startswith("--stage") for w in words) and data.get("stage"):
+        # Recorded before serve-compare named its stage: it measured the newest stage of its day, not today's.
+        words += ["--stage", data["stage"][1:3]]
     if words[0] == "stagewise":
         words = ["-m", "common.cli", *words[1:]]
     elif words[:2] == ["python", "-m"]:

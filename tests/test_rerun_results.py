@@ -41,6 +41,20 @@ def test_a_scratch_json_path_is_sent_back_to_the_results(tmp_path, monkeypatch) 
                                          "--json", "docs/results/cpu/serve.cpu.json"]
 
 
+def test_a_serve_compare_of_the_newest_stage_of_its_day_reruns_that_stage(tmp_path, monkeypatch) -> None:
+    """Recorded as `serve-compare` with no --stage when stage 11 was the newest: the rerun pins 11."""
+    results = tmp_path / "docs" / "results"
+    (results / "cpu").mkdir(parents=True)
+    (results / "cpu" / "serve-compare.cpu.json").write_text(json.dumps(
+        {"command": "stagewise serve-compare --rounds 2 --json docs/results/serve-compare.cpu.json",
+         "stage": "s11_chunked_prefill"}))
+    monkeypatch.setattr(rerun, "ROOT", tmp_path)
+    monkeypatch.setattr(rerun, "RESULTS", results)
+    [path] = rerun.result_files("cpu")
+    assert rerun.argv_for(path)[1:] == ["-m", "common.cli", "serve-compare", "--rounds", "2",
+                                         "--json", "docs/results/cpu/serve-compare.cpu.json", "--stage", "11"]
+
+
 def test_check_names_results_from_another_commit_or_a_dirty_checkout(tmp_path, capsys) -> None:
     def result(name: str, commit: str, dirty: bool = False) -> Path:
         path = tmp_path / name

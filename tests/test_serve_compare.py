@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common import stages as registry
 from common.serve import compare as serve_compare
 from common.loader import model_dir, resolve_device
 from conftest import TEST_DEVICE
@@ -82,6 +83,7 @@ def test_serve_compare_runs_both_servers_end_to_end(tmp_path: Path, capsys, monk
         assert side["requests"] == 4 and side["completion_tokens"] > 0 and len(side["runs"]) == 1
     assert str(model_dir("tiny")) in theirs["server_command"] and sys.executable in result["server_command"]
     assert result["server"]["data"][0]["owned_by"] == "stagewise"
+    assert result["command"].endswith(f"--stage {max(registry.STAGES)}")  # the newest of today, named for a rerun
     # it was transformers that answered (its /v1/models fails offline in some releases: then no list)
     assert theirs["server"] is None or theirs["server"]["data"][0]["id"] == str(model_dir("tiny"))
     # Both greedy, on the same weights in fp32, the same 4 prompts: two correct engines do the same work.

@@ -111,8 +111,9 @@ def describe(name: str, kw: dict) -> str:
 def auto_kv_blocks(requests: list, tokenizer, max_model_len: int, concurrency: int, block_size: int = 16) -> int:
     """Room for `concurrency` of this workload's largest requests (+1 block each for copy-on-write).
 
-    The engines' own default is `max_batch_size` full contexts, which for an 8k-context model is
-    gigabytes per engine; the ladder keeps seven pools alive at once, so it sizes them to the work.
+    The engines' own default is DEFAULT_TOKENS_PER_SLOT (1,024) tokens per decode slot, at least one
+    full context: gigabytes per engine for a long-context model; the ladder keeps seven pools alive
+    at once, so it sizes them to the work.
     """
     worst = 0
     for r in requests:

@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"completion tokens per run: stagewise {tokens['stagewise']}, {other} {tokens[other]}"
           f" ({'the same work' if same else 'NOT the same work: compare per token, not per run'})", flush=True)
     if a.json:
-        write_json(a.json, {"kind": "serve-compare", "command": shlex.join(["stagewise", "serve-compare", *argv]),
+        # The default stage is the newest, which moves: the command names the stage it measured.
+        named = any(w == "--stage" or w.startswith("--stage=") for w in argv)
+        command = ["stagewise", "serve-compare", *argv, *([] if named else ["--stage", a.stage])]
+        write_json(a.json, {"kind": "serve-compare", "command": shlex.join(command),
                             "stage": stage, "model": a.model, "device": device.type, "dtype": dtype, "dtype_reason": dtype_reason,
                             "against": against,
                             "config": vars(a), "env": collect_env(device.type), "same_completion_tokens": same,
