@@ -29,11 +29,14 @@ def _is_real(x: Any) -> bool:
     return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    `do_sample=False` (the default, like HF `generate`) or `temperature == 0` means greedy.
+    `do_sample=False` (the default, like HF `generate`) or `temperature == 0` (below 1e-5) means greedy.
     `top_k == 0` and `top_p == 1.0` switch those filters off.
 
     The last two say what happens when a request does not fit the model's context window
@@ -77,8 +80,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Greedy rows take the argmax; temperature 0 is the usual API spelling of greedy."""
-        return not self.do_sample or self.temperature == 0
+        """Greedy rows take the argmax; temperature 0 is the usual API spelling of greedy. So is any
+        temperature under SAMPLING_EPS, as in vLLM: dividing fp32 logits by 1e-45 gives inf, and
+        the softmax of inf is NaN, which no sampler can draw from."""
+        return not self.do_sample or self.temperature < SAMPLING_EPS
 
 
 @dataclass

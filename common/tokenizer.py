@@ -37,6 +37,8 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     lone surrogate, which JSON's "\\ud800" escape can carry) is a ValueError: the tokenizer
     itself would raise a TypeError that says nothing of the prompt.
     """
+    if not isinstance(text, str):  # bytes, a number, a list of strings: the tokenizer's errors name no field
+        raise ValueError(f"prompt must be a str, got {type(text).__name__}")
     if not text.isascii():
         try:
             text.encode("utf-8")

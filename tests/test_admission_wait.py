@@ -92,9 +92,22 @@ def test_a_lone_request_waits_no_longer_than_the_maximum(package, tiny):
 
 @pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
 @pytest.mark.parametrize("field", ["max_queue_delay_ms", "queue_quiet_ms"])
-def test_a_negative_wait_is_refused_naming_the_field(package, field, tiny):
+@pytest.mark.parametrize("value", [-1, float("inf")])  # inf: Event.wait would raise OverflowError in the worker
+def test_a_negative_or_endless_wait_is_refused_naming_the_field(package, field, value, tiny):
     with pytest.raises(ValueError, match=field):
-        _manager(package, tiny, **{field: -1})
+        _manager(package, tiny, **{field: value})
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_close_ends_a_burst_wait_at_once(package, tiny):
+    """close() while the idle worker holds admission for a burst (windows of minutes): the worker
+    leaves the wait and exits within close()'s join, and the request ends, not left hanging."""
+    manager = _manager(package, tiny, max_queue_delay_ms=600_000, queue_quiet_ms=300_000)
+    handle = manager.add_request(PROMPTS[0], max_new_tokens=4, temperature=0.0)
+    _wait_for(lambda: manager._collecting)
+    manager.close()
+    assert not manager._worker.is_alive()
+    assert handle.result(timeout=10).finish_reason in ("cancelled", "length")
 
 
 @pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)

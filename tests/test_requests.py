@@ -42,6 +42,8 @@ def test_default_params_are_valid_and_greedy() -> None:
         ({"do_sample": True, "temperature": 0.0}, True),
         ({"do_sample": False, "temperature": 0.7}, True),
         ({"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}, False),
+        ({"do_sample": True, "temperature": 1e-45}, True),  # under SAMPLING_EPS: logits / 1e-45 would be inf
+        ({"do_sample": True, "temperature": 1e-5}, False),
     ],
 )
 def test_greedy_property(kwargs: dict, greedy: bool) -> None:

@@ -71,6 +71,13 @@ def test_a_string_that_is_not_unicode_text_is_a_value_error(tokenizer) -> None:
         encode(tokenizer, "Hi \ud800 there")
 
 
+@pytest.mark.parametrize("prompt", [b"Hi", 123, ["Hi"]])
+def test_a_prompt_that_is_not_a_str_is_a_value_error(tokenizer, prompt: object) -> None:
+    """A manager tokenizes before it validates the rest: the error must still name the prompt."""
+    with pytest.raises(ValueError, match="^prompt must be a str"):
+        encode(tokenizer, prompt)  # type: ignore[arg-type]
+
+
 def test_hf_is_called_where_its_wrapper_changes_the_result(tokenizer) -> None:
     """split_special_tokens changes encoding and clean_up_tokenization_spaces decoding: HF's wrapper
     does that part, so those tokenizers (and slow ones, with no Rust backend) go through HF."""

@@ -11,6 +11,7 @@ other requests carry on.
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -47,10 +48,10 @@ class SchedulerManager:
             raise ValueError("stream_interval must be positive")
         if int(tokenize_workers) < 0:
             raise ValueError("tokenize_workers must be >= 0")
-        if not float(max_queue_delay_ms) >= 0:
-            raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
-        if not float(queue_quiet_ms) >= 0:
-            raise ValueError(f"queue_quiet_ms must be >= 0, got {queue_quiet_ms}")
+        if not 0 <= float(max_queue_delay_ms) < math.inf:
+            raise ValueError(f"max_queue_delay_ms must be a finite number >= 0, got {max_queue_delay_ms}")
+        if not 0 <= float(queue_quiet_ms) < math.inf:
+            raise ValueError(f"queue_quiet_ms must be a finite number >= 0, got {queue_quiet_ms}")
         self.engine = engine
         self.scheduler = OnlineScheduler(engine, max_batch_size=int(max_batch_size))
         self.record_token_timestamps = record_token_timestamps
@@ -155,14 +156,17 @@ class SchedulerManager:
             with self._lock:
                 if not self._running:
                     break
-            self._handle_cancellations()
-            self._wait_for_burst()
-            self._admit_pending()
-            if self.scheduler.has_unfinished():
-                self._run_decode_once()
-            elif not self._waiting:  # a request waiting for KV blocks is retried at once: nothing holds them now
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
+            try:
+                self._handle_cancellations()
+                self._wait_for_burst()
+                self._admit_pending()
+                if self.scheduler.has_unfinished():
+                    self._run_decode_once()
+                elif not self._waiting:  # a request waiting for KV blocks is retried at once: nothing holds them now
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+            except Exception as exc:  # a bug outside the model's step: were the worker to die, every
+                self._fail_scheduled(exc)  # request would hang; those it holds end with the error instead
         self._cancel_everything()
 
     def _wait_for_burst(self) -> None:
@@ -187,12 +191,12 @@ class SchedulerManager:
         start, full = time.perf_counter(), self.scheduler.max_batch_size
         self._collecting = True  # from here, add_request wakes us only when the batch is full
         try:
-            while self._pending.qsize() < full:
+            while self._pending.qsize() < full and self._running:  # close() ends the wait
                 timeout = min(self._last_arrival + self.queue_quiet_s, start + self.max_queue_delay_s) - time.perf_counter()
                 if timeout <= 0:
                     return
                 self._wakeup.clear()
-                if self._pending.qsize() < full:  # checked after clear(): a batch filled just before it is not missed
+                if self._pending.qsize() < full and self._running:  # after clear(): a full batch or close() just before it is not missed
                     self._wakeup.wait(timeout)
         finally:
             self._collecting = False
@@ -247,9 +251,7 @@ class SchedulerManager:
         try:
             step_tokens = self.scheduler.step()
         except Exception as exc:  # e.g. out of device memory: the running requests fail, the worker goes on
-            for rid in self.scheduler.request_ids():
-                self.scheduler.discard_request(rid)  # their blocks go back to the pool
-                self._fail(rid, exc)
+            self._fail_scheduled(exc)
             return
         for rid, error in self.scheduler.pop_failed().items():  # outgrew the whole pool: its stream ends with the error
             with self._lock:
@@ -339,6 +341,12 @@ class SchedulerManager:
             q = self._queues.pop(rid, None)
         if q is not None:
             q.put(Done(Completion(prompt_token_ids=[], token_ids=[], text="", finish_reason="cancelled")))
+
+    def _fail_scheduled(self, error: BaseException) -> None:
+        """End every request the scheduler holds with `error`; their blocks go back to the pool."""
+        for rid in self.scheduler.request_ids():
+            self.scheduler.discard_request(rid)
+            self._fail(rid, error)
 
     def _fail(self, rid: int, error: BaseException) -> None:
         with self._lock:

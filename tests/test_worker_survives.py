@@ -1,0 +1,48 @@
+"""A bug outside the model's step must not end a SchedulerManager's worker, in every streaming stage.
+
+Why: the worker thread is the only thing that ever ends a request. A step that fails (the
+device fell over) was always caught: its requests end with the error. But an exception from
+anywhere else in the worker's loop (detokenizing a token, delivering it, admitting a burst)
+ended the thread, and from then on every request in flight, and every one submitted after,
+waited forever. Now the requests the worker holds end with that error, and the worker serves
+the next ones.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from common import stages as registry
+from common.tokenizer import IncrementalDetokenizer
+from conftest import streaming_packages
+
+STREAMING = streaming_packages()
+
+
+class FailsOnce(IncrementalDetokenizer):
+    """The first token any request's detokenizer sees raises; every later one works."""
+
+    failed = False
+
+    def add(self, token_id: int) -> str:
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise RuntimeError("detokenizer fell over")
+        return super().add(token_id)
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_a_bug_outside_the_step_ends_its_requests_with_it_and_the_worker_goes_on(package, tiny, monkeypatch):
+    stage = registry.load_stage(package)
+    monkeypatch.setattr(importlib.import_module(f"{package}.server"), "IncrementalDetokenizer", FailsOnce)
+    monkeypatch.setattr(FailsOnce, "failed", False)
+    engine = stage.InferenceEngine(tiny, max_batch_size=4)
+    with stage.SchedulerManager(engine, max_batch_size=4) as manager:
+        first = manager.add_request("Hello", max_new_tokens=6, temperature=0.0)
+        with pytest.raises(RuntimeError, match="detokenizer fell over"):
+            first.result(timeout=30)
+        assert manager._worker.is_alive()
+        later = manager.add_request("The capital of France is", max_new_tokens=6, temperature=0.0)
+        assert len(later.result(timeout=30).token_ids) == 6
+        assert not manager.scheduler.has_unfinished()  # the failed request left the scheduler (its blocks too)
