@@ -58,6 +58,15 @@ class SamplingParams:
     truncate_prompt: bool = True  # False: a prompt that leaves no room for one new token is refused
     clip_max_new_tokens: bool = True  # False: prompt + max_new_tokens beyond the window is refused
 
+    @classmethod
+    def of(cls, params: "SamplingParams | None", sampling: dict[str, Any]) -> "SamplingParams":
+        """What an `add_request(..., params=None, **sampling)` means: `params`, or the fields given
+        as keywords (max_new_tokens=..., as the posts write it). Not both: the keywords beside
+        `params` would be dropped without a word."""
+        if params is not None and sampling:
+            raise ValueError(f"{', '.join(sorted(sampling))}: give sampling fields as params or as keywords, not both")
+        return params if params is not None else cls(**sampling)
+
     def validate(self) -> None:
         """Raise ValueError("<field> ...") for the first invalid field."""
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:

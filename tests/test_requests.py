@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 
+from common import stages as registry
 from common.requests import (
     Completion,
     ContextLengthExceeded,
@@ -16,6 +17,7 @@ from common.requests import (
     prepare_prompt,
 )
 from common.tokenizer import encode
+from conftest import streaming_packages
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,24 @@ def test_default_params_are_valid_and_greedy() -> None:
 )
 def test_greedy_property(kwargs: dict, greedy: bool) -> None:
     assert SamplingParams(**kwargs).greedy is greedy
+
+
+def test_params_and_keywords_together_are_refused_naming_the_keywords() -> None:
+    """add_request(params=..., max_new_tokens=0) used to drop the keyword without a word."""
+    with pytest.raises(ValueError, match="^max_new_tokens, top_k: give sampling fields as params or as keywords"):
+        SamplingParams.of(SamplingParams(), {"top_k": 3, "max_new_tokens": 0})
+    assert SamplingParams.of(None, {"max_new_tokens": 3}).max_new_tokens == 3
+    params = SamplingParams(top_k=2)
+    assert SamplingParams.of(params, {}) is params
+
+
+@pytest.mark.parametrize("package", streaming_packages(), ids=registry.short_name)
+def test_params_and_keywords_together_fail_only_that_request(package, tiny) -> None:
+    stage = registry.load_stage(package)
+    with stage.SchedulerManager(stage.InferenceEngine(tiny, max_batch_size=2), max_batch_size=2) as manager:
+        with pytest.raises(ValueError, match="^max_new_tokens: give sampling fields"):
+            manager.add_request("Hi", params=SamplingParams(max_new_tokens=2), max_new_tokens=9).result(timeout=30)
+        assert len(manager.add_request("Hi", max_new_tokens=2).result(timeout=30).token_ids) == 2
 
 
 def test_max_new_tokens_message_is_exact() -> None:

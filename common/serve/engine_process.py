@@ -136,7 +136,7 @@ class EngineProcess:
                 raise RuntimeError("SchedulerManager is closed" if self._closing else "the engine process has ended")
             self._queues[rid] = out
         try:
-            params = params or SamplingParams(**sampling)
+            params = SamplingParams.of(params, sampling)
         except Exception as exc:  # an unknown sampling keyword: this request's error, as in-process
             self._end(rid, Failed(exc))
             return handle

@@ -82,7 +82,7 @@ class SchedulerManager:
                 raise RuntimeError("SchedulerManager is closed")
             self._queues[rid] = out
         try:
-            request = Request(prompt=prompt, prompt_token_ids=prompt_token_ids, params=params or SamplingParams(**sampling))
+            request = Request(prompt=prompt, prompt_token_ids=prompt_token_ids, params=SamplingParams.of(params, sampling))
         except Exception as exc:  # e.g. an unknown sampling keyword
             self._fail(rid, exc)
             return handle

@@ -57,7 +57,7 @@ class OnlineScheduler:
         Raises ValueError for bad input and OutOfKVBlocks when the pool cannot hold the request yet.
         """
         eng = self.engine
-        request = Request(prompt=prompt, prompt_token_ids=prompt_token_ids, params=params or SamplingParams(**sampling))
+        request = Request(prompt=prompt, prompt_token_ids=prompt_token_ids, params=SamplingParams.of(params, sampling))
         session = eng.new_session(request, prepare_prompt(request, eng.tokenizer, eng.max_model_len))
         return self.add_session(session, request_id=request_id, submitted=submitted)
 
