@@ -25,6 +25,16 @@ def _is_int(x: Any) -> bool:
     return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
 
 
+def int_knob(name: str, value: Any, minimum: int) -> int:
+    """`value`, an engine's or a manager's knob, if it is an int >= minimum; else a ValueError
+    naming the knob. Not `int(value)`: that turns 2.5 into 2 and "4" into 4 without a word, and
+    None into a TypeError that names nothing."""
+    if not _is_int(value) or value < minimum:
+        rule = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be {rule} (an int), got {value!r}")
+    return int(value)
+
+
 def _is_real(x: Any) -> bool:
     return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 

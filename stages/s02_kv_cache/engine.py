@@ -14,7 +14,7 @@ import torch
 
 from common.device import to_device
 from common.loader import LoadedModel
-from common.requests import Completion, Request, SamplingParams, finish_reason_for, prepare_prompt
+from common.requests import Completion, Request, SamplingParams, finish_reason_for, int_knob, prepare_prompt
 from common.sampling import make_generator, sample_tokens
 
 from .attention import CachedAttention, causal_padding_mask
@@ -60,8 +60,7 @@ class InferenceEngine:
     """Generates completions for a list of requests, `max_batch_size` at a time."""
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int = 8) -> None:
-        if int(max_batch_size) <= 0:
-            raise ValueError("max_batch_size must be positive")
+        int_knob("max_batch_size", max_batch_size, 1)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -16,7 +16,7 @@ import torch
 
 from common.device import to_device
 from common.loader import LoadedModel
-from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, prepare_prompt
+from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, int_knob, prepare_prompt
 from common.sampling import make_generator, sample_tokens
 
 from .attention import DecodeAttention, PrefillAttention
@@ -100,10 +100,8 @@ class InferenceEngine:
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int = 8, block_size: int = 16,
                  kv_cache_max_concurrency: int | None = None, num_kv_blocks: int | None = None) -> None:
-        if int(max_batch_size) <= 0:
-            raise ValueError("max_batch_size must be positive")
-        if int(block_size) <= 0:
-            raise ValueError("block_size must be positive")
+        int_knob("max_batch_size", max_batch_size, 1)
+        int_knob("block_size", block_size, 1)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -128,14 +126,12 @@ class InferenceEngine:
         if num_blocks is not None and concurrency is not None:
             raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
         if num_blocks is not None:
-            if int(num_blocks) <= 0:
-                raise ValueError("num_kv_blocks must be positive")
+            int_knob("num_kv_blocks", num_blocks, 1)
             return int(num_blocks)
         if concurrency is None:
             tokens = max(self.max_batch_size * min(self.max_model_len, DEFAULT_TOKENS_PER_SLOT), self.max_model_len)
             return -(-tokens // int(block_size))
-        if int(concurrency) <= 0:
-            raise ValueError("kv_cache_max_concurrency must be positive")
+        int_knob("kv_cache_max_concurrency", concurrency, 1)
         return int(concurrency) * -(-self.max_model_len // int(block_size))
 
     def kv_stats(self) -> dict:

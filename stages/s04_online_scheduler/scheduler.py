@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.requests import Completion, Request, SamplingParams, prepare_prompt
+from common.requests import Completion, Request, SamplingParams, int_knob, prepare_prompt
 
 if TYPE_CHECKING:
     from .engine import InferenceEngine, InferenceSession
@@ -23,8 +23,7 @@ class OnlineScheduler:
     """Owns the live sessions of one engine; not thread-safe (SchedulerManager drives it from one thread)."""
 
     def __init__(self, engine: "InferenceEngine", max_batch_size: int = 8) -> None:
-        if int(max_batch_size) <= 0:
-            raise ValueError("max_batch_size must be positive")
+        int_knob("max_batch_size", max_batch_size, 1)
         self.engine = engine
         self.max_batch_size = int(max_batch_size)
         self._sessions: dict[int, InferenceSession] = {}

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.requests import int_knob
+
 from .kv_cache import KVBlockPool
 
 if TYPE_CHECKING:
@@ -35,8 +37,7 @@ class PrefixCache:
     """LRU of prompt -> (KV blocks, last logits); 0 entries disables it."""
 
     def __init__(self, pool: KVBlockPool, max_entries: int) -> None:
-        if int(max_entries) < 0:
-            raise ValueError("prefix_cache_max_entries must be >= 0")
+        int_knob("prefix_cache_max_entries", max_entries, 0)
         self.pool = pool
         self.max_entries = int(max_entries)
         self._entries: OrderedDict[PrefixCacheKey, PrefixCacheEntry] = OrderedDict()

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from common.requests import Completion, Request, SamplingParams
+from common.requests import Completion, Request, SamplingParams, int_knob
 from common.streams import ChunkQueue, Done, Failed, Pending, RequestHandle, StreamChunk, StreamState
 from common.threads import release_caller_openmp_threads
 from common.tokenizer import IncrementalDetokenizer, encode
@@ -34,19 +34,14 @@ class SchedulerManager:
                  stream_interval: int = 1, tokenize_workers: int = 0,
                  prefill_max_batch_size: int | None = None,
                  max_queue_delay_ms: float = 0.0, queue_quiet_ms: float = 5.0) -> None:
-        if int(max_batch_size) <= 0:
-            raise ValueError("max_batch_size must be positive")
+        int_knob("max_batch_size", max_batch_size, 1)
         # How many pending requests one worker iteration admits (prefills); None = max_batch_size,
         # the old behaviour. Decoupled from the decode batch size, which stays max_batch_size.
         if prefill_max_batch_size is None:
             prefill_max_batch_size = max_batch_size
-        self._prefill_max_batch_size = int(prefill_max_batch_size)
-        if self._prefill_max_batch_size <= 0:
-            raise ValueError("prefill_max_batch_size must be positive")
-        if int(stream_interval) <= 0:
-            raise ValueError("stream_interval must be positive")
-        if int(tokenize_workers) < 0:
-            raise ValueError("tokenize_workers must be >= 0")
+        self._prefill_max_batch_size = int_knob("prefill_max_batch_size", prefill_max_batch_size, 1)
+        int_knob("stream_interval", stream_interval, 1)
+        int_knob("tokenize_workers", tokenize_workers, 0)
         if not 0 <= float(max_queue_delay_ms) < math.inf:
             raise ValueError(f"max_queue_delay_ms must be a finite number >= 0, got {max_queue_delay_ms}")
         if not 0 <= float(queue_quiet_ms) < math.inf:

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from common.config import ModelConfig
+from common.requests import int_knob
 
 START_TIMEOUT = datetime.timedelta(minutes=10)  # forming the group: every rank loads its share first
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast: a follower waits as long as rank 0 idles
@@ -49,9 +50,7 @@ class TensorParallel:
     """This process's place among the ranks, and the collectives the sharded model calls."""
 
     def __init__(self, size: int, config: ModelConfig, device: torch.device) -> None:
-        if int(size) < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, not {size}")
-        size = int(size)
+        size = int_knob("tensor_parallel_size", size, 1)
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):  # every rank: whole heads, equal slices
             if getattr(config, name) % size:
                 raise ValueError(f"tensor_parallel_size {size} must divide the model's {name} ({getattr(config, name)})")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.requests import Completion, Request, SamplingParams, prepare_prompt
+from common.requests import Completion, Request, SamplingParams, int_knob, prepare_prompt
 
 from .kv_cache import OutOfKVBlocks
 
@@ -39,8 +39,7 @@ class OnlineScheduler:
     """Owns the live sessions of one engine; not thread-safe (SchedulerManager drives it from one thread)."""
 
     def __init__(self, engine: "InferenceEngine", max_batch_size: int = 8) -> None:
-        if int(max_batch_size) <= 0:
-            raise ValueError("max_batch_size must be positive")
+        int_knob("max_batch_size", max_batch_size, 1)
         if engine.max_num_batched_tokens < int(max_batch_size):  # a full decode batch must fit in a step
             raise ValueError(f"max_num_batched_tokens ({engine.max_num_batched_tokens}) must be >= "
                              f"max_batch_size ({max_batch_size})")
