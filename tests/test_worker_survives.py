@@ -5,7 +5,7 @@ device fell over) was always caught: its requests end with the error. But an exc
 anywhere else in the worker's loop (detokenizing a token, delivering it, admitting a burst)
 ended the thread, and from then on every request in flight, and every one submitted after,
 waited forever. Now the requests the worker holds end with that error, and the worker serves
-the next ones.
+the next ones. A request whose end (its Completion) cannot be built gets that error itself.
 """
 from __future__ import annotations
 
@@ -46,3 +46,25 @@ def test_a_bug_outside_the_step_ends_its_requests_with_it_and_the_worker_goes_on
         later = manager.add_request("The capital of France is", max_new_tokens=6, temperature=0.0)
         assert len(later.result(timeout=30).token_ids) == 6
         assert not manager.scheduler.has_unfinished()  # the failed request left the scheduler (its blocks too)
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_a_request_whose_completion_fails_ends_with_the_error(package, tiny):
+    """The end of a request is built after its queue has left the manager's books: a failure
+    there must still reach that request (it hung), and only that one."""
+    stage = registry.load_stage(package)
+    engine = stage.InferenceEngine(tiny, max_batch_size=4)
+    real, calls = engine.completion, []
+
+    def fails_once(session):
+        calls.append(session)
+        if len(calls) == 1:
+            raise RuntimeError("completion fell over")
+        return real(session)
+
+    engine.completion = fails_once
+    with stage.SchedulerManager(engine, max_batch_size=4) as manager:
+        with pytest.raises(RuntimeError, match="completion fell over"):
+            manager.add_request("Hello", max_new_tokens=4, temperature=0.0).result(timeout=30)
+        assert len(manager.add_request("Hi", max_new_tokens=4, temperature=0.0).result(timeout=30).token_ids) == 4
+        assert not manager.scheduler.has_unfinished()

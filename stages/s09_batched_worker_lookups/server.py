@@ -293,12 +293,19 @@ class SchedulerManager:
 
     def _complete(self, rid: int, q: "queue.Queue[Any] | None", detok: IncrementalDetokenizer | None,
                   state: StreamState | None, finish_reason: str | None = None) -> None:
-        """Send the last text and the Completion; the request leaves the scheduler (blocks freed)."""
-        completion = self.scheduler.get_completion(rid)
+        """Send the last text and the Completion; the request leaves the scheduler (blocks freed).
+        Its queue has left `_queues` already: if making its end fails, only here can it be told."""
+        try:
+            completion = self.scheduler.get_completion(rid)
+            tail = (state.text if state else "") + (detok.flush() if detok else "")
+        except Exception as exc:  # a bug: this request ends with it, and the others go on
+            self.scheduler.discard_request(rid)
+            if q is not None:
+                q.put(Failed(exc))
+            return
         self.scheduler.discard_request(rid)  # returns its blocks, finished or not
         if q is None:
             return
-        tail = (state.text if state else "") + (detok.flush() if detok else "")
         if state is not None and (state.token_ids or tail):
             q.put(StreamChunk(tail, state.token_ids))
         if finish_reason is not None:
