@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any, Callable
 
 from common import stages as registry
 from common.bench.flags import DTYPE_HELP
@@ -133,8 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_bad_input(main: Callable[[], Any], prog: str) -> None:
+    """Run a command and exit with its status; bad input it finds past argparse (a ValueError,
+    whose message names the field: an unknown stage, a knob out of range) is one line on stderr
+    and status 2, as argparse's own errors are, not a traceback."""
+    try:
+        status = main()
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(status if isinstance(status, int) else 0)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`stagewise <command> ...`; a ValueError from the command (bad input) is one line and status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except ValueError as exc:
+        print(f"{' '.join(['stagewise', *argv[:1]])}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] == "bench":  # flags belong to the stage's bench parser, untouched
         return cmd_bench(argv[1:])
     if argv and argv[0] == "ladder":

@@ -113,6 +113,9 @@ def measure(a: argparse.Namespace) -> dict:
     if a.max_num_batched_tokens is not None and not hasattr(engine, "max_num_batched_tokens"):
         raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts "
                          "(stage 11 chunks them)")
+    if a.prompt_len > engine.max_model_len:  # the prompt would be cut to the window, and the report lie about it
+        raise SystemExit(f"profile-prefill: --prompt-len {a.prompt_len} is longer than the model's context "
+                         f"window ({engine.max_model_len} tokens)")
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
 

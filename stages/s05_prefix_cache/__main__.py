@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from common.cli import exit_on_bad_input
 from common.loader import load_model
 from common.requests import Request, SamplingParams
 from common.tokenizer import chat_prompt
@@ -41,4 +42,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main, f"python -m {__package__}")
