@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any, Callable
 
 from common import stages as registry
 from common.bench.flags import DTYPE_HELP
@@ -132,18 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("worker-probe", add_help=False,
                    help="a streaming stage's bench with stopwatches on its worker (common/bench/worker_probe.py)")
     return parser
-
-
-def exit_on_bad_input(main: Callable[[], Any], prog: str) -> None:
-    """Run a command and exit with its status; bad input it finds past argparse (a ValueError,
-    whose message names the field: an unknown stage, a knob out of range) is one line on stderr
-    and status 2, as argparse's own errors are, not a traceback."""
-    try:
-        status = main()
-    except ValueError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(status if isinstance(status, int) else 0)
 
 
 def main(argv: list[str] | None = None) -> int:

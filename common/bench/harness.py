@@ -31,6 +31,17 @@ from common.bench.report import comparison_ratios, format_comparison, format_rep
 from common.bench.results import write_json
 
 
+def bench_main(stage_package: str) -> None:
+    """`python -m stages.<stage>.bench`: run_stage_bench, with bad input that argparse cannot see
+    (a ValueError naming the field: an engine knob, a model name) as one line and status 2, as
+    argparse's own errors are, not a traceback."""
+    try:
+        run_stage_bench(stage_package)
+    except ValueError as exc:
+        print(f"python -m {stage_package}.bench: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     """Entry point of every `stages/<stage>/bench.py`; returns the JSON-shaped result."""
     module = importlib.import_module(stage_package)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
-from common.cli import exit_on_bad_input
 from common.loader import load_model
 from common.requests import Request, SamplingParams
 from common.tokenizer import chat_prompt
@@ -42,4 +42,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(main, f"python -m {__package__}")
+    try:
+        main()
+    except ValueError as exc:  # bad input past argparse (a knob, a sampling field): one line, as argparse's own
+        print(f"python -m {__package__}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
