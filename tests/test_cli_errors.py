@@ -41,3 +41,27 @@ def test_profile_prefill_refuses_a_prompt_longer_than_the_window() -> None:
     """It was cut to the window without a word, and the report's GFLOP/s counted the whole prompt."""
     with pytest.raises(SystemExit, match="--prompt-len 100000 is longer than the model's context window"):
         profile_prefill.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "100000"])
+
+
+def test_serve_refuses_a_port_out_of_range() -> None:
+    import argparse
+
+    from common.serve.engine import port_number
+    assert port_number("0") == 0 and port_number("65535") == 65535
+    for bad in ("-1", "65536"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a port is 0 to 65535"):
+            port_number(bad)
+
+
+def test_worker_probe_refuses_a_stage_without_a_worker() -> None:
+    from common.bench.worker_probe import instrument
+    with pytest.raises(ValueError, match="^stage: stages.s02_kv_cache has no SchedulerManager"):
+        instrument("stages.s02_kv_cache")
+
+
+@pytest.mark.parametrize("flag", ["--max-batch-size", "--prefill-max-batch-size", "--num-kv-blocks", "--threads"])
+def test_the_ladder_refuses_a_size_of_0_instead_of_taking_its_default(flag) -> None:
+    from common.bench.ladder_rungs import parse_args
+    with pytest.raises(SystemExit, match=f"^{flag} must be >= 1, got 0"):
+        parse_args(["--model", "tiny", "--out", "/tmp/unused", flag, "0"])
+    assert parse_args(["--model", "tiny", "--out", "/tmp/unused"]).max_batch_size >= 1  # not given: the default

@@ -90,10 +90,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The flags, with the workload's own max batch sizes where none is given."""
     args = build_parser().parse_args(argv)
     preset = WORKLOADS[args.workload][2]
-    args.max_batch_size = args.max_batch_size or preset.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)
-    args.prefill_max_batch_size = args.prefill_max_batch_size or preset.get("prefill_max_batch_size")
-    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.max_batch_size < 1 or args.rounds < 1:
-        raise SystemExit("--repeat-runs, --rounds and --max-batch-size must be >= 1, --warmup-runs >= 0")
+    for flag in ("max_batch_size", "prefill_max_batch_size", "num_kv_blocks", "threads"):  # None: not given; 0 is no size
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_batch_size is None:
+        args.max_batch_size = preset.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)
+    if args.prefill_max_batch_size is None:
+        args.prefill_max_batch_size = preset.get("prefill_max_batch_size")
+    if args.repeat_runs < 1 or args.warmup_runs < 0 or args.rounds < 1:
+        raise SystemExit("--repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
     if args.rounds > 1 and args.same_process:
         raise SystemExit("--rounds: fresh processes per engine; it cannot go with --same-process")
     return args

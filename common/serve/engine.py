@@ -60,6 +60,15 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     return manager, registry.short_name(package)
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: the OS picks one), as argparse's type: out of range is a usage
+    error naming --port, not an OverflowError from the socket."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
     from common.bench.flags import add_engine_knob_args, add_manager_args
@@ -68,7 +77,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    p.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed at start)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
