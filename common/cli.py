@@ -20,6 +20,7 @@ import importlib
 import sys
 
 from common import stages as registry
+from common.commands import run_command
 from common.bench.flags import DTYPE_HELP
 
 
@@ -136,11 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`stagewise <command> ...`; a ValueError from the command (bad input) is one line and status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _run(argv)
-    except ValueError as exc:
-        print(f"{' '.join(['stagewise', *argv[:1]])}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(lambda: _run(argv), " ".join(["stagewise", *argv[:1]]))
 
 
 def _run(argv: list[str]) -> int:

@@ -23,6 +23,7 @@ import sys
 import torch
 
 from common import stages as registry
+from common.commands import run_command
 from common.bench.engines import build_specs, engine_result, offline_header, run_engines, run_offline_once, shared_process
 from common.bench.envinfo import collect_env
 from common.bench.flags import check_args, parse_bench_args, workload_from_args
@@ -32,14 +33,8 @@ from common.bench.results import write_json
 
 
 def bench_main(stage_package: str) -> None:
-    """`python -m stages.<stage>.bench`: run_stage_bench, with bad input that argparse cannot see
-    (a ValueError naming the field: an engine knob, a model name) as one line and status 2, as
-    argparse's own errors are, not a traceback."""
-    try:
-        run_stage_bench(stage_package)
-    except ValueError as exc:
-        print(f"python -m {stage_package}.bench: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    """`python -m stages.<stage>.bench`: run_stage_bench, with bad input as one line (common/commands.py)."""
+    sys.exit(run_command(lambda: run_stage_bench(stage_package), f"python -m {stage_package}.bench"))
 
 
 def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:

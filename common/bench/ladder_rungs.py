@@ -91,8 +91,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     preset = WORKLOADS[args.workload][2]
     for flag in ("max_batch_size", "prefill_max_batch_size", "num_kv_blocks", "threads"):  # None: not given; 0 is no size
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.max_batch_size is None:
         args.max_batch_size = preset.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)
     if args.prefill_max_batch_size is None:

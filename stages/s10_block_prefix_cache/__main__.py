@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from common.commands import run_command
 from common.loader import load_model
 from common.requests import Request, SamplingParams
 from common.tokenizer import chat_prompt
@@ -42,8 +43,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as exc:  # bad input past argparse (a knob, a sampling field): one line, as argparse's own
-        print(f"python -m {__package__}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, f"python -m {__package__}"))  # bad input: one line naming the field
