@@ -155,13 +155,11 @@ class InferenceEngine:
         if num_blocks is not None and concurrency is not None:
             raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
         if num_blocks is not None:
-            int_knob("num_kv_blocks", num_blocks, 1)
-            return int(num_blocks)
+            return int_knob("num_kv_blocks", num_blocks, 1)
         if concurrency is None:
             tokens = max(self.max_batch_size * min(self.max_model_len, DEFAULT_TOKENS_PER_SLOT), self.max_model_len)
             return -(-tokens // int(block_size))
-        int_knob("kv_cache_max_concurrency", concurrency, 1)
-        return int(concurrency) * -(-self.max_model_len // int(block_size))
+        return int_knob("kv_cache_max_concurrency", concurrency, 1) * -(-self.max_model_len // int(block_size))
 
     def kv_stats(self) -> dict:
         """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""

@@ -129,6 +129,8 @@ class InferenceEngine:
                  enable_prefix_caching: bool = True) -> None:
         int_knob("max_batch_size", max_batch_size, 1)
         int_knob("block_size", block_size, 1)
+        if not isinstance(enable_prefix_caching, bool):  # "no" would be true
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -141,8 +143,6 @@ class InferenceEngine:
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
         self.pool = KVBlockPool(loaded.config, self._num_blocks(block_size, kv_cache_max_concurrency, num_kv_blocks),
                                 int(block_size), loaded.dtype, self.device)
-        if not isinstance(enable_prefix_caching, bool):  # "no" would be true
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.prefix_cache = PrefixCache(self.pool, enable_prefix_caching)
         self._peak_blocks = 0
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
@@ -157,13 +157,11 @@ class InferenceEngine:
         if num_blocks is not None and concurrency is not None:
             raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
         if num_blocks is not None:
-            int_knob("num_kv_blocks", num_blocks, 1)
-            return int(num_blocks)
+            return int_knob("num_kv_blocks", num_blocks, 1)
         if concurrency is None:
             tokens = max(self.max_batch_size * min(self.max_model_len, DEFAULT_TOKENS_PER_SLOT), self.max_model_len)
             return -(-tokens // int(block_size))
-        int_knob("kv_cache_max_concurrency", concurrency, 1)
-        return int(concurrency) * -(-self.max_model_len // int(block_size))
+        return int_knob("kv_cache_max_concurrency", concurrency, 1) * -(-self.max_model_len // int(block_size))
 
     def kv_stats(self) -> dict:
         """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""

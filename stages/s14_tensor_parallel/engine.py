@@ -183,12 +183,16 @@ class InferenceEngine:
                  tensor_parallel_size: int = 1) -> None:
         int_knob("max_batch_size", max_batch_size, 1)
         int_knob("block_size", block_size, 1)
+        if not isinstance(enable_prefix_caching, bool):  # "no" would be true
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if enforce_eager is not None and not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool or None, got {enforce_eager!r}")
         int_knob("max_num_batched_tokens", max_num_batched_tokens, 1)
         if max_num_batched_tokens < max_batch_size:  # vLLM's rule too: decode rows alone must fit
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size ({max_batch_size})")
         capture_size = max_batch_size if max_cudagraph_capture_size is None else max_cudagraph_capture_size
         int_knob("max_cudagraph_capture_size", capture_size, 1)
-        if not 0 < capture_size <= int(max_batch_size):  # vLLM's name; above the batch it could never be used
+        if capture_size > max_batch_size:  # vLLM's name; above the batch it could never be used
             raise ValueError(f"max_cudagraph_capture_size must be between 1 and max_batch_size ({max_batch_size}), "
                              f"not {max_cudagraph_capture_size}")
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -235,8 +239,6 @@ class InferenceEngine:
             self.model = loaded.model
         self.pool = KVBlockPool(local_config(loaded.config, self.tp.size), num_blocks, int(block_size),
                                 loaded.dtype, self.device)  # the K/V of this rank's KV heads
-        if not isinstance(enable_prefix_caching, bool):  # "no" would be true
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.prefix_cache = PrefixCache(self.pool, enable_prefix_caching)
         self._peak_blocks = 0
         self.graph_steps = self.eager_steps = 0  # steps run through the decode graphs, and the rest
@@ -249,8 +251,6 @@ class InferenceEngine:
         # Graphs save kernel launches, which only a GPU has: on a CPU the buckets' padding would be
         # all cost, so the default there is eager, as in vLLM's CPU backend. enforce_eager=False
         # runs the padded path on a CPU anyway (the tests do: every line but the capture and replay).
-        if enforce_eager is not None and not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool or None, got {enforce_eager!r}")
         if enforce_eager is None:
             enforce_eager = self.device.type != "cuda"
         # Captured now, once, after the pool exists (the graphs read its block tables and blocks).
@@ -281,13 +281,11 @@ class InferenceEngine:
         if num_blocks is not None and concurrency is not None:
             raise ValueError("num_kv_blocks and kv_cache_max_concurrency are two ways to size the pool: give one")
         if num_blocks is not None:
-            int_knob("num_kv_blocks", num_blocks, 1)
-            return int(num_blocks)
+            return int_knob("num_kv_blocks", num_blocks, 1)
         if concurrency is None:
             tokens = max(self.max_batch_size * min(self.max_model_len, DEFAULT_TOKENS_PER_SLOT), self.max_model_len)
             return -(-tokens // int(block_size))
-        int_knob("kv_cache_max_concurrency", concurrency, 1)
-        return int(concurrency) * -(-self.max_model_len // int(block_size))
+        return int_knob("kv_cache_max_concurrency", concurrency, 1) * -(-self.max_model_len // int(block_size))
 
     def kv_stats(self) -> dict:
         """Pool size, and the most KV memory sessions held at once (blocks in use x block bytes)."""
