@@ -66,3 +66,13 @@ SWITCHES = [(p, k) for p in PACKAGES for k in ("enable_prefix_caching", "enforce
 def test_switches_take_a_bool(package, knob, tiny) -> None:
     with pytest.raises(ValueError, match=f"^{knob} must be a bool"):
         registry.load_stage(package).InferenceEngine(tiny, **{knob: "no"})
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if "block_size" in _engine_knobs(p)], ids=registry.short_name)
+def test_a_kv_pool_larger_than_memory_is_refused_naming_its_knobs_before_it_is_allocated(package, tiny) -> None:
+    """A billion blocks used to reach the allocator's per-block lists and die there, naming nothing."""
+    stage = registry.load_stage(package)
+    for knobs in ({"num_kv_blocks": 10**12}, {"kv_cache_max_concurrency": 10**9}, {"block_size": 10**10}):
+        with pytest.raises(ValueError, match=r"^the KV pool \(num_kv_blocks=\d+, block_size=\d+\) needs .* GiB of cpu "
+                                             r"memory: lower num_kv_blocks, kv_cache_max_concurrency or block_size$"):
+            stage.InferenceEngine(tiny, max_batch_size=2, **knobs)

@@ -19,6 +19,7 @@ import torch
 
 from common.config import ModelConfig
 from common.device import to_device
+from common.memory import check_kv_pool_fits
 
 
 class OutOfKVBlocks(RuntimeError):
@@ -148,6 +149,8 @@ class KVBlockPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+        check_kv_pool_fits(shape[1], block_size, self.bytes_per_block, device)  # a ValueError naming the knobs
         # torch.empty: blocks nobody has used yet are never touched, so the OS does not even back
         # them with memory. A block is zeroed when it is first taken (see `zero_if_fresh`).
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
@@ -157,7 +160,6 @@ class KVBlockPool:
         self._fresh = [True] * num_blocks  # never taken since the pool was made: uninitialised memory
         self.zero_if_fresh([0])  # block 0 pads every block table (see BlockTables)
         self.tables = BlockTables(-(-config.max_position_embeddings // block_size), device)
-        self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * self.k[0].element_size()
         self._scratch = torch.empty(0, dtype=dtype, device=device)  # decode gather buffer, reused by every layer
 
     @property
