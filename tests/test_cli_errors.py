@@ -6,6 +6,7 @@ name was at the bottom of forty lines; now it is the only line.
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -65,3 +66,53 @@ def test_the_ladder_refuses_a_size_of_0_instead_of_taking_its_default(flag) -> N
     with pytest.raises(SystemExit, match=f"^{flag} must be >= 1, got 0"):
         parse_args(["--model", "tiny", "--out", "/tmp/unused", flag, "0"])
     assert parse_args(["--model", "tiny", "--out", "/tmp/unused"]).max_batch_size >= 1  # not given: the default
+
+
+def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps() -> None:
+    """It used to run, and report 'saw 0 decode steps'."""
+    from common.bench import profile_decode
+    with pytest.raises(SystemExit, match=r"--prompt-len 125 leaves no room .* \(128 tokens\) .* at most --prompt-len 120$"):
+        profile_decode.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "125", "--steps", "2"])
+
+
+@pytest.mark.parametrize("flag", ["--json", "--out"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag) -> None:
+    """A typo in a folder used to fail after the whole run, its results lost."""
+    from common.bench.flags import output_dir, output_file
+    check = output_file if flag == "--json" else output_dir
+    a_file = tmp_path / "a.txt"
+    a_file.write_text("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot write"):  # under a file: even root cannot
+        check(str(a_file / "sub" / "r.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match="a directory"):
+        check(str(tmp_path / "a.txt") if flag == "--out" else str(tmp_path))
+    assert check(str(tmp_path / "new" / "deeper" / "r.json")) and not (tmp_path / "new").exists()  # nothing made yet
+    command = (["parity", "--json", str(a_file / "r.json")] if flag == "--json"
+               else ["ladder", "--out", str(a_file / "out"), "--model", "tiny"])
+    proc = subprocess.run([sys.executable, "-m", "common.cli", *command], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"argument {flag}: cannot write" in proc.stderr
+
+
+def test_serve_refuses_a_host_that_does_not_resolve_before_it_loads_the_model() -> None:
+    """It was a socket.gaierror, after the model had loaded."""
+    from common.serve.engine import host_address
+    assert host_address("127.0.0.1") == "127.0.0.1" and host_address("localhost") == "localhost"
+    for bad in ("999.1.1.1", "a..b"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"cannot resolve '{bad}'"):
+            host_address(bad)
+
+
+@pytest.mark.parametrize("flags, message", [(["--stage", "3"], "s03_paged_attention has no SchedulerManager"),
+                                            (["--num-requests", "0"], "--num-requests must be >= 1"),
+                                            (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+                                            (["--request-rate", "0"], "--request-rate must be > 0"),
+                                            (["--timeout-s", "inf"], "--timeout-s must be > 0 and finite")])
+def test_serve_compare_checks_its_flags_before_it_starts_a_server(flags, message, monkeypatch) -> None:
+    """A bad stage or count used to surface only when its side's turn came, minutes in."""
+    from common.serve import compare
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a server was started")
+    monkeypatch.setattr(compare, "start", no_server)
+    with pytest.raises(SystemExit, match=message):
+        compare.main(["--model", "tiny", *flags])

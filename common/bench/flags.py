@@ -8,12 +8,16 @@ workload flag or engine knob means the same thing everywhere.
 - `add_streaming_args`, `add_manager_args` and `manager_knobs`: how requests are submitted, and
   the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
-  `--preset`) as defaults.
+  `--preset`) as defaults;
+- `output_file` and `output_dir`: the argparse types of every `--json` and `--out`.
 """
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
+import tempfile
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +26,37 @@ from common.bench.workloads import build_workload
 # --dtype of every command (common.loader.choose_dtype does the picking)
 DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU with bf16 matmul units) | "
               "float32 | bfloat16 | float16; default: bfloat16 on CUDA, float32 on a CPU")
+
+
+def _check_writable(path: Path, want_dir: bool) -> None:
+    """ArgumentTypeError unless this user could write `path`, or make it: checked when the flags are
+    read, so a typo in a folder fails at once, not after a run of many minutes. Checked by making
+    a temporary file there, as `os.access` says yes to root everywhere, /proc included."""
+    path = Path(os.path.abspath(path))
+    if path.exists() and path.is_dir() != want_dir:
+        raise argparse.ArgumentTypeError(f"{path} is {'not ' if want_dir else ''}a directory")
+    folder = path if want_dir else path.parent
+    while not folder.exists():  # the writers make missing folders: the nearest one that exists must take them
+        folder = folder.parent
+    try:
+        if path.is_file():
+            path.open("a").close()
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def output_file(text: str) -> str:
+    """The argparse type of `--json PATH`: a file this user can write (see _check_writable)."""
+    _check_writable(Path(text), want_dir=False)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """The argparse type of `--out DIR`: a folder this user can write or make (see _check_writable)."""
+    _check_writable(Path(text), want_dir=True)
+    return text
+
 
 ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
                 "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens",
@@ -165,7 +200,7 @@ def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentPa
     g.add_argument("--rounds", type=int, default=1,
                    help="with --compare/--baseline: fresh processes per engine, interleaved (A B, A B, ...), "
                         "their runs pooled, so a slow minute of the machine falls on both")
-    g.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    g.add_argument("--json", type=output_file, default=None, metavar="PATH", help="write the result as JSON")
     add_streaming_args(p)
     if defaults:
         p.set_defaults(**defaults)

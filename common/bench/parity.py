@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import DTYPE_HELP, output_file
 from common.bench.report import dtype_lines
 
 PROMPTS = [
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH")
     return p
 
 

@@ -51,7 +51,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP, add_enforce_eager_arg
+from common.bench.flags import DTYPE_HELP, add_enforce_eager_arg, output_file
 from common.bench.report import dtype_lines
 
 GROUPS = {
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="decode steps timed and profiled (after 4 skipped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="ops listed in the report")
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH")
     return p
 
 
@@ -270,6 +270,11 @@ def measure(a: argparse.Namespace) -> dict:
         # so they need enough tokens to still be running when the whole batch decodes together. Their
         # decode rows share each step's budget with the chunks: at most `batch` of it.
         new_tokens += -(-a.batch * a.prompt_len // max(int(budget) - a.batch, 1)) + 1
+    window_len = loaded.config.max_position_embeddings
+    if a.prompt_len + new_tokens > window_len:  # the requests would stop (or be cut) before the window is timed
+        raise SystemExit(f"profile-decode: --prompt-len {a.prompt_len} leaves no room in the model's context window "
+                         f"({window_len} tokens) for the {new_tokens} decode steps it runs (--steps {a.steps}); "
+                         f"at most --prompt-len {window_len - new_tokens}")
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
     # The model the engine runs: the loaded one, or (tensor parallel) rank 0's share of it

@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import DTYPE_HELP, output_file
 from common.bench.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
 from common.bench.report import dtype_lines
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage 11's token budget a step, so its chunk size (default: the stage's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="ops listed in the report")
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH")
     return p
 
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.bench.flags import output_file
 from common.bench.results import write_json
 from common.bench.spawn import REPO_ROOT, child_env
 
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="Every other flag goes to the stage's bench unchanged.")
     p.add_argument("--stage", required=True, help="stage number or name")
     p.add_argument("--processes", type=int, default=5, help="how many fresh processes (default 5)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write every process's result and the summary")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH", help="write every process's result and the summary")
     return p
 
 

@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
+from common.bench.flags import output_file
 
 Event = tuple[str, float, float, int, bool | None]  # (section, start, seconds, rows: batch or prompts,
 #   eager: did the call run a step without a graph; None where the engine has no graphs to count)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stagewise worker-probe", description=__doc__.split("\n\n")[0],
                                 epilog="Every other flag goes to the stage's bench unchanged (one engine: no --compare).")
     p.add_argument("--stage", required=True, help="stage number or name, 04 or later")
-    p.add_argument("--json", default=None, metavar="PATH", help="the bench's result with a `worker` section added")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH", help="the bench's result with a `worker` section added")
     p.add_argument("--no-cudnn-attention", action="store_true",
                    help="turn off SDPA's cuDNN backend (CUDA): is a new shape's cuDNN plan what makes slow steps?")
     a, bench_argv = p.parse_known_args(argv)

