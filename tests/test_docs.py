@@ -400,3 +400,26 @@ def test_mermaid_is_served_from_the_site_and_is_the_pinned_file() -> None:
     assert "  - javascripts/mermaid-11.17.2.min.js" in config and "font: false" in config
     data = (REPO / "docs" / "javascripts" / "mermaid-11.17.2.min.js").read_bytes()
     assert hashlib.sha256(data).hexdigest() == "581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8"
+
+
+def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
+    """A range over results, a key with a space, and a quantity derived from keys: the figures
+    the pages used to type by hand ("55 to 68 %", "±12.0 %", "0.44-0.87 of the floor")."""
+    (tmp_path / "a.json").write_text(json.dumps({"x": 0.5, "y": 2.0, "s": {"compl tok/s": {"dev": 12.0}}}))
+    (tmp_path / "b.json").write_text(json.dumps({"x": 0.25, "y": 4.0, "pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
+    assert results.render_bench_range(tmp_path, "b.json pairs.*.z") == "-1.50 to 3.50"  # over a list's items
+    assert results.render_bench_range(tmp_path, "a.json x b.json x") == "0.25 to 0.50"
+    assert results.render_bench_range(tmp_path, "a.json x b.json x a.json x %") == "25.0 to 50.0 %"
+    assert results.render_bench_range(tmp_path, 'a.json "=x * y" b.json "=(y - x) / y"') == "0.94 to 1.00"
+    assert results.render_bench_range(tmp_path, "a.json y b.json y") == "2 to 4"  # counts read as counts
+    assert results.render_bench_range(tmp_path, "a.json x none.json x") == "*pending*"
+    assert results.render_bench_value(tmp_path, 'a.json "s.compl tok/s.dev"') == "12"
+    assert results.render_bench_ratio(tmp_path, 'a.json "=y + y" b.json y') == "1.00×"
+    value, range_ = results.render_bench_value, results.render_bench_range
+    for render, bad, message in ((range_, "a.json", "bench-range: expected"), (range_, "a.json y.*.z", "not a list"),
+                                 (range_, "a.json x b.json x furlongs", "bench-range: expected"),
+                                 (range_, 'a.json "=x ** y" b.json x', "only"),
+                                 (range_, 'a.json "=x +" b.json x', "not an expression"),
+                                 (value, 'a.json "x', "bench-value: No closing quotation")):
+        with pytest.raises(results.DocsError, match=message):
+            render(tmp_path, bad)

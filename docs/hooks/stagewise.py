@@ -27,9 +27,13 @@ Inline directives (anywhere in a line, e.g. a table cell):
     <!-- bench-value: docs/results/X.json kv_bytes KiB -->             in KiB, MiB, or % (a share x 100)
     <!-- bench-ratio: docs/results/X.json compare.s06_x.ttft_ms.p99 ttft_ms.p99 -->   a / b as "2.17×"
     <!-- bench-ratio: docs/results/X.json KEY docs/results/Y.json KEY -->          the same across two files
+    <!-- bench-range: docs/results/X.json KEY docs/results/Y.json KEY ... [%] -->  "LOW to HIGH" over results
+    <!-- bench-range: docs/results/X.json overhead.pairs.*.ttft_ms -->              ... over a list's items
 
 Key paths are dotted; a list is indexed by position (`compare.0`) or by the `engine` name of
-its entry (`compare.s06_prefill_microbatching`). A missing result file never fails the build
+its entry (`compare.s06_prefill_microbatching`). A key with a space is quoted
+("summary.compl tok/s.median"); one that starts with '=' is arithmetic over dotted keys
+("=groups_ms_profiled.kv_cache / floor_ms"). A missing result file never fails the build
 (results are committed after the code); a malformed one, or a key that is not there, does.
 Directives inside fenced code blocks are left alone.
 """
@@ -45,11 +49,11 @@ from pathlib import Path
 
 from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _name, _number, _rel,
                                _value, default_command, env_line, load_result, placed_command, render_bench_ratio,
-                               render_bench_results, render_bench_value)
+                               render_bench_range, render_bench_results, render_bench_value)
 
 BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results", "bench-tabs",
          "ladder-chart", "ladder-table", "parity-table", "serve-pairs")
-INLINE = ("bench-value", "bench-ratio")
+INLINE = ("bench-value", "bench-ratio", "bench-range")
 _NAMES = "|".join(sorted(BLOCK + INLINE, key=len, reverse=True))
 DIRECTIVE_RE = re.compile(r"<!--\s*(" + _NAMES + r")\b\s*:?\s*(.*?)\s*-->")
 FENCE_RE = re.compile(r"^\s*(`{3,}|~{3,})")
@@ -344,9 +348,9 @@ def expand(markdown: str, root: Path, page_src: str | None = None) -> str:
         def inline(mm: re.Match) -> str:
             if mm.group(1) in BLOCK:
                 raise DocsError(f"{mm.group(1)} must be alone on its line: {line.strip()!r}")
-            if mm.group(1) == "bench-value":
-                return render_bench_value(root, mm.group(2))
-            return render_bench_ratio(root, mm.group(2))
+            render = {"bench-value": render_bench_value, "bench-ratio": render_bench_ratio,
+                      "bench-range": render_bench_range}[mm.group(1)]
+            return render(root, mm.group(2))
 
         out.append(DIRECTIVE_RE.sub(inline, line))
     return "\n".join(out)

@@ -7,6 +7,7 @@ common/bench/harness.py writes (design.md, "Bench JSON") and turns it into table
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -440,25 +441,92 @@ def _correctness_lines(data: dict) -> list[str]:
                 f"this stage's on the first warmup: the timings compare different work."]
 
 
-UNITS = {"KiB": 1 / 1024, "MiB": 1 / 2**20, "%": 100.0}  # bench-value's optional third word: shown in it
+UNITS = {"KiB": 1 / 1024, "MiB": 1 / 2**20, "%": 100.0}  # bench-value's optional last word: shown in it
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b if b else math.nan}
+
+
+def _words(directive: str, args: str) -> list[str]:
+    """A directive's arguments, split as a shell would: a key with a space in it is quoted."""
+    try:
+        return shlex.split(args)
+    except ValueError as e:
+        raise DocsError(f"{directive}: {e} in {args!r}") from None
+
+
+def _quantity(data: Any, key: str, path: str) -> float:
+    """A dotted key's number, or with a leading '=' arithmetic over such keys:
+    '=(profiled_step_ms - groups_ms_profiled.matmul) / floor_matmul_ms_profiled'."""
+    if not key.startswith("="):
+        return _number(data, key, path)
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            return _number(data, ast.unparse(node), path)
+        raise DocsError(f"{path}: {key!r}: only + - * / over dotted keys and numbers")
+    try:
+        tree = ast.parse(key[1:], mode="eval")
+    except SyntaxError:
+        raise DocsError(f"{path}: {key!r} is not an expression over dotted keys") from None
+    return ev(tree.body)
+
+
+def _show(value: float, unit: str | None) -> str:
+    if unit:
+        return f"{value * UNITS[unit]:.1f}"
+    return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"  # a count (kernel launches a step) reads as one
 
 
 def render_bench_value(root: Path, args: str) -> str:
-    parts = args.split()
+    parts = _words("bench-value", args)
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in UNITS):
         raise DocsError(f"bench-value: expected 'PATH KEY [{'|'.join(UNITS)}]', got {args!r}")
     data = load_result(root, parts[0])
     if data is None:
         return "*pending*"
-    value = _number(data, parts[1], parts[0])
-    if len(parts) == 3:
-        value *= UNITS[parts[2]]
-        return f"{value:.1f} %" if parts[2] == "%" else f"{value:.1f} {parts[2]}"
-    return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"  # a count (kernel launches a step) reads as one
+    unit = parts[2] if len(parts) == 3 else None
+    value = _show(_quantity(data, parts[1], parts[0]), unit)
+    return f"{value} {unit}" if unit else value
+
+
+def _quantities(data: Any, key: str, path: str) -> list[float]:
+    """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms'."""
+    if ".*." not in key:
+        return [_quantity(data, key, path)]
+    head, tail = key.split(".*.", 1)
+    items = lookup(data, head, path)
+    if not isinstance(items, list) or not items:
+        raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
+    return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
+
+
+def render_bench_range(root: Path, args: str) -> str:
+    """'LOW to HIGH' of one quantity over several results, or over a list's items ('pairs.*.x'):
+    `PATH KEY [PATH KEY ...] [UNIT]`."""
+    parts = _words("bench-range", args)
+    unit = parts.pop() if len(parts) % 2 else None
+    if len(parts) < 2 or (unit is not None and unit not in UNITS):
+        raise DocsError(f"bench-range: expected 'PATH KEY [PATH KEY ...] [{'|'.join(UNITS)}]', got {args!r}")
+    values = []
+    for path, key in zip(parts[::2], parts[1::2]):
+        data = load_result(root, path)
+        if data is None:
+            return "*pending*"
+        values += _quantities(data, key, path)
+    low, high = min(values), max(values)
+    if unit:
+        return f"{low * UNITS[unit]:.1f} to {high * UNITS[unit]:.1f} {unit}"
+    if low.is_integer() and high.is_integer():  # counts read as counts
+        return f"{low:.0f} to {high:.0f}"
+    return f"{low:.2f} to {high:.2f}"  # both ends alike: "0.94 to 1.00", not "0.94 to 1"
 
 
 def render_bench_ratio(root: Path, args: str) -> str:
-    parts = args.split()
+    parts = _words("bench-ratio", args)
     if len(parts) == 3:  # both keys in one file
         parts = [parts[0], parts[1], parts[0], parts[2]]
     if len(parts) != 4:
@@ -467,5 +535,5 @@ def render_bench_ratio(root: Path, args: str) -> str:
     num_data, den_data = load_result(root, parts[0]), load_result(root, parts[2])
     if num_data is None or den_data is None:
         return "*pending*"
-    num, den = _number(num_data, parts[1], parts[0]), _number(den_data, parts[3], parts[2])
+    num, den = _quantity(num_data, parts[1], parts[0]), _quantity(den_data, parts[3], parts[2])
     return "—" if den == 0 else f"{num / den:.2f}×"
