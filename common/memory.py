@@ -11,22 +11,33 @@ import os
 
 import torch
 
+from common.config import ModelConfig
+
 GiB = 1 << 30
 
 
+def kv_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
+    """The K and V of `tokens` tokens, every layer and KV head."""
+    return 2 * config.num_layers * tokens * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
 def device_memory_bytes(device: torch.device) -> int:
-    """What a pool on `device` may take at most: a GPU's free memory, or the host's physical memory
-    (a pool larger than that could never be filled, even with nothing else running)."""
+    """What a pool on `device` may take at most: a GPU's free memory, counting what PyTorch holds
+    cached but unused (an allocation reuses it first), or the host's physical memory (a pool
+    larger than that could never be filled, even with nothing else running)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_kv_pool_fits(num_blocks: int, block_size: int, bytes_per_block: int, device: torch.device) -> None:
-    """A ValueError naming the knobs that size the pool, if `num_blocks` blocks of `bytes_per_block`
-    (K and V, every layer) would not fit in `device`'s memory."""
-    need, have = num_blocks * bytes_per_block, device_memory_bytes(device)
-    if need > have:
-        raise ValueError(f"the KV pool (num_kv_blocks={num_blocks}, block_size={block_size}) needs {need / GiB:,.1f} GiB, "
-                         f"more than the {have / GiB:,.1f} GiB of {device.type} memory: "
-                         "lower num_kv_blocks, kv_cache_max_concurrency or block_size")
+def check_kv_pool_fits(num_blocks: int, block_size: int, pool_bytes: int, device: torch.device) -> None:
+    """A ValueError naming the knobs that size the pool if its `pool_bytes` (K and V, every layer,
+    `num_blocks` blocks of `block_size` tokens as the caller asked) do not fit `device`'s memory."""
+    have = device_memory_bytes(device)
+    if pool_bytes > have:
+        where = "free on the GPU" if device.type == "cuda" else f"of {device.type} memory"
+        raise ValueError(f"the KV pool (num_kv_blocks={num_blocks}, block_size={block_size}) needs "
+                         f"{pool_bytes / GiB:,.1f} GiB, more than the {have / GiB:,.1f} GiB {where}: lower "
+                         "num_kv_blocks, kv_cache_max_concurrency or block_size (or max_batch_size, which sizes "
+                         "the default pool)")

@@ -150,7 +150,7 @@ class KVBlockPool:
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-        check_kv_pool_fits(shape[1], block_size, self.bytes_per_block, device)  # a ValueError naming the knobs
+        check_kv_pool_fits(num_blocks, block_size, shape[1] * self.bytes_per_block, device)  # a ValueError naming the knobs
         # torch.empty: blocks nobody has used yet are never touched, so the OS does not even back
         # them with memory. A block is zeroed when it is first taken (see `zero_if_fresh`).
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -23,6 +23,7 @@ import torch
 
 from common.device import to_device
 from common.loader import LoadedModel
+from common.memory import check_kv_pool_fits, kv_bytes
 from common.requests import Completion, PreparedPrompt, Request, SamplingParams, finish_reason_for, int_knob, prepare_prompt
 from common.sampling import make_generator, sample_tokens
 
@@ -207,6 +208,9 @@ class InferenceEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
         num_blocks = self._num_blocks(block_size, kv_cache_max_concurrency, num_kv_blocks)
+        if self.device.type == "cpu":  # the ranks' shares of the pool all live on this host: the whole must fit
+            check_kv_pool_fits(num_blocks, block_size, kv_bytes(loaded.config, (num_blocks + 1) * block_size, loaded.dtype),
+                               self.device)
         self.tp.start({"package": __package__, "model": str(loaded.path), "device": self.device.type,
                        "dtype": str(loaded.dtype).replace("torch.", ""),
                        "kwargs": dict(max_batch_size=max_batch_size, block_size=block_size, num_kv_blocks=num_blocks,

@@ -93,6 +93,20 @@ def test_streaming_chunked_prefill_prefix_cache_and_preemption_under_two_ranks(t
         engine.close()
 
 
+def test_on_a_cpu_the_ranks_pools_together_must_fit_the_host(tiny, monkeypatch) -> None:
+    """Each rank holds 1/N of the pool, but on a CPU all N live in one host's memory: a pool whose
+    share fits while the whole does not is refused by name before any rank starts."""
+    import common.memory
+    from common.memory import kv_bytes
+
+    if tiny.device.type != "cpu":
+        pytest.skip("on a GPU each rank's share has a GPU of its own")
+    whole = kv_bytes(tiny.config, (1000 + 1) * BS, tiny.dtype)
+    monkeypatch.setattr(common.memory, "device_memory_bytes", lambda device: whole - 1)  # each half fits
+    with pytest.raises(ValueError, match=r"^the KV pool \(num_kv_blocks=1000, block_size=4\)"):
+        s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=1000, tensor_parallel_size=2)
+
+
 def test_sizes_that_cannot_split_the_model_are_refused_by_name(tiny) -> None:
     for size in (0, 3):  # tiny has 4 heads and 2 KV heads
         with pytest.raises(ValueError, match="tensor_parallel_size"):
