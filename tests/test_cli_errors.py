@@ -7,6 +7,7 @@ name was at the bottom of forty lines; now it is the only line.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -34,13 +35,13 @@ def test_a_stage_main_says_which_field_in_one_line() -> None:
                                             (["--request-rate", "-1"], "--request-rate must be > 0"),
                                             (["--max-concurrency", "0"], "--max-concurrency must be >= 1")])
 def test_bench_serve_refuses_a_rate_or_concurrency_that_means_nothing(flags, message) -> None:
-    with pytest.raises(SystemExit, match=message):  # before it sends anything (no server here)
+    with pytest.raises(ValueError, match=message):  # before it sends anything (no server here)
         bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "tiny", *flags])
 
 
 def test_profile_prefill_refuses_a_prompt_longer_than_the_window() -> None:
     """It was cut to the window without a word, and the report's GFLOP/s counted the whole prompt."""
-    with pytest.raises(SystemExit, match="--prompt-len 100000 is longer than the model's context window"):
+    with pytest.raises(ValueError, match="--prompt-len 100000 is longer than the model's context window"):
         profile_prefill.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "100000"])
 
 
@@ -63,7 +64,7 @@ def test_worker_probe_refuses_a_stage_without_a_worker() -> None:
 @pytest.mark.parametrize("flag", ["--max-batch-size", "--prefill-max-batch-size", "--num-kv-blocks", "--threads"])
 def test_the_ladder_refuses_a_size_of_0_instead_of_taking_its_default(flag) -> None:
     from common.bench.ladder_rungs import parse_args
-    with pytest.raises(SystemExit, match=f"^{flag} must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=f"^{flag} must be >= 1, got 0"):
         parse_args(["--model", "tiny", "--out", "/tmp/unused", flag, "0"])
     assert parse_args(["--model", "tiny", "--out", "/tmp/unused"]).max_batch_size >= 1  # not given: the default
 
@@ -71,7 +72,7 @@ def test_the_ladder_refuses_a_size_of_0_instead_of_taking_its_default(flag) -> N
 def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps() -> None:
     """It used to run, and report 'saw 0 decode steps'."""
     from common.bench import profile_decode
-    with pytest.raises(SystemExit, match=r"--prompt-len 125 leaves no room .* \(128 tokens\) .* at most --prompt-len 120$"):
+    with pytest.raises(ValueError, match=r"--prompt-len 125 leaves no room .* \(128 tokens\) .* at most --prompt-len 120$"):
         profile_decode.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "125", "--steps", "2"])
 
 
@@ -87,19 +88,35 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_pat
     with pytest.raises(argparse.ArgumentTypeError, match="a directory"):
         check(str(tmp_path / "a.txt") if flag == "--out" else str(tmp_path))
     assert check(str(tmp_path / "new" / "deeper" / "r.json")) and not (tmp_path / "new").exists()  # nothing made yet
+    if flag == "--json":
+        assert check(os.devnull) == os.devnull  # an existing file is opened, its folder not written
+        a_file.chmod(0o444)
+        if os.geteuid() != 0:  # root writes a read-only file anyway
+            with pytest.raises(argparse.ArgumentTypeError, match="cannot write"):
+                check(str(a_file))
     command = (["parity", "--json", str(a_file / "r.json")] if flag == "--json"
                else ["ladder", "--out", str(a_file / "out"), "--model", "tiny"])
     proc = subprocess.run([sys.executable, "-m", "common.cli", *command], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"argument {flag}: cannot write" in proc.stderr
 
 
-def test_serve_refuses_a_host_that_does_not_resolve_before_it_loads_the_model() -> None:
-    """It was a socket.gaierror, after the model had loaded."""
-    from common.serve.engine import host_address
-    assert host_address("127.0.0.1") == "127.0.0.1" and host_address("localhost") == "localhost"
-    for bad in ("999.1.1.1", "a..b"):
-        with pytest.raises(argparse.ArgumentTypeError, match=f"cannot resolve '{bad}'"):
-            host_address(bad)
+def test_serve_refuses_a_host_that_does_not_resolve_before_it_loads_the_model(monkeypatch) -> None:
+    """It was a socket.gaierror, after the model had loaded. The resolver is stubbed: no DNS in a test."""
+    import socket
+
+    from common.serve import engine as serve_engine
+
+    def resolve(host, port):
+        if host == "a..b":
+            raise UnicodeError("encoding with 'idna' codec failed")
+        if host != "127.0.0.1":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+    monkeypatch.setattr(serve_engine.socket, "getaddrinfo", resolve)
+    assert serve_engine.host_address("127.0.0.1") == "127.0.0.1"
+    for bad, why in (("999.1.1.1", "Name or service not known"), ("a..b", "idna")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"cannot resolve '{bad}': .*{why}"):
+            serve_engine.host_address(bad)
 
 
 @pytest.mark.parametrize("flags, message", [(["--stage", "3"], "s03_paged_attention has no SchedulerManager"),
@@ -114,5 +131,21 @@ def test_serve_compare_checks_its_flags_before_it_starts_a_server(flags, message
     def no_server(*args, **kwargs):
         raise AssertionError("a server was started")
     monkeypatch.setattr(compare, "start", no_server)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         compare.main(["--model", "tiny", *flags])
+    compare.check_args(compare.build_parser().parse_args(["--request-rate", "inf"]))  # a burst, as bench-serve's
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["bench", "--stage", "13", "--model", "tiny", "--num-requests", "0"], "stagewise bench: error: --num-requests: must be >= 1"),
+    (["profile-decode", "--stage", "4", "--model", "tiny", "--batch", "0"], "stagewise profile-decode: error: --batch,"),
+    (["parity", "--model", "tiny", "--max-new-tokens", "0"], "stagewise parity: error: --max-new-tokens"),
+    (["stability", "--stage", "4", "--processes", "0"], "stagewise stability: error: --processes: must be >= 1"),
+    (["ladder", "--model", "tiny", "--out", "/tmp/unused", "--repeat-runs", "0"], "stagewise ladder: error: --repeat-runs"),
+    (["bench-serve", "--base-url", "ftp://x", "--model", "tiny"], "stagewise bench-serve: error: --base-url"),
+])
+def test_a_bad_flag_past_argparse_reads_as_argparse_does(argv, line, capsys) -> None:
+    """These checks raised SystemExit(text): status 1 and no program name, unlike every other bad flag."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err

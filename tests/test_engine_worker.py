@@ -126,14 +126,14 @@ def test_rounds_need_fresh_processes(capsys) -> None:
     from common.bench import flags, ladder_rungs
     from common.bench.harness import run_stage_bench
 
-    with pytest.raises(SystemExit, match="--rounds"):
+    with pytest.raises(ValueError, match="--rounds"):
         run_stage_bench("stages.s03_paged_attention", ["--model", "tiny", "--rounds", "2"])  # nothing compared
-    with pytest.raises(SystemExit, match="--rounds"):
+    with pytest.raises(ValueError, match="--rounds"):
         run_stage_bench("stages.s03_paged_attention", ["--model", "tiny", "--rounds", "2", "--compare",
                                                        "--same-process"])
-    with pytest.raises(SystemExit, match="--rounds"):
+    with pytest.raises(ValueError, match="--rounds"):
         ladder_rungs.parse_args(["--out", "/tmp/x", "--rounds", "2", "--same-process"])
-    with pytest.raises(SystemExit, match="--rounds"):
+    with pytest.raises(ValueError, match="--rounds"):
         ladder_rungs.parse_args(["--out", "/tmp/x", "--rounds", "0"])
     assert flags.build_parser("bench").parse_args([]).rounds == 1
 

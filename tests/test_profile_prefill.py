@@ -44,7 +44,7 @@ def test_chunked_prefill_is_timed_whole(tmp_path: Path, tiny) -> None:
     r = run(tmp_path, "11", 100, "--max-num-batched-tokens", "32")
     mm = [row for row in r["ops"] if row["group"] == "matmul"]
     assert mm[0]["calls_per_step"] == 4 * (4 * tiny.config.num_layers + 1)  # ceil(100 / 32) chunks
-    with pytest.raises(SystemExit, match="max-num-batched-tokens"):
+    with pytest.raises(ValueError, match="max-num-batched-tokens"):
         run(tmp_path, "9", 100, "--max-num-batched-tokens", "32")
 
 

@@ -49,9 +49,9 @@ def test_against_vllm_both_get_the_same_weights_dtype_batch_and_no_prefix_cache(
     assert theirs[theirs.index("--port") + 1] == "8123"
     assert serve_compare.server_env(a, "vllm")["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert serve_compare.server_env(a, "stagewise") == {}
-    with pytest.raises(SystemExit, match="--vllm-python"):
+    with pytest.raises(ValueError, match="--vllm-python"):
         serve_compare.main(["--against", "vllm"])
-    with pytest.raises(SystemExit, match="ignore_eos"):
+    with pytest.raises(ValueError, match="ignore_eos"):
         serve_compare.main(["--no-stop-on-eos"])
 
 

@@ -30,17 +30,19 @@ DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU w
 
 def _check_writable(path: Path, want_dir: bool) -> None:
     """ArgumentTypeError unless this user could write `path`, or make it: checked when the flags are
-    read, so a typo in a folder fails at once, not after a run of many minutes. Checked by making
-    a temporary file there, as `os.access` says yes to root everywhere, /proc included."""
+    read, so a typo in a folder fails at once, not after a run of many minutes. Checked by opening
+    the file for appending (nothing written), or by making a temporary file in the folder that would
+    hold it, as `os.access` says yes to root everywhere, /proc included."""
     path = Path(os.path.abspath(path))
     if path.exists() and path.is_dir() != want_dir:
         raise argparse.ArgumentTypeError(f"{path} is {'not ' if want_dir else ''}a directory")
-    folder = path if want_dir else path.parent
-    while not folder.exists():  # the writers make missing folders: the nearest one that exists must take them
-        folder = folder.parent
     try:
-        if path.is_file():
-            path.open("a").close()
+        if path.exists() and not want_dir:  # /dev/null and a file to overwrite: its folder is not written
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+            return
+        folder = path if want_dir else path.parent
+        while not folder.exists():  # the writers make missing folders: the nearest one that exists must take them
+            folder = folder.parent
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write {path}: {exc.strerror}") from None
@@ -247,11 +249,11 @@ def check_args(args: argparse.Namespace) -> None:
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
     for name in ("num_requests", "max_new_tokens", "max_batch_size", "repeat_runs", "rounds"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
     if args.warmup_runs < 0:
-        raise SystemExit("--warmup-runs: must be >= 0")
+        raise ValueError("--warmup-runs: must be >= 0")
     if args.rounds > 1 and (args.same_process or not (args.compare or args.baseline)):
-        raise SystemExit("--rounds: fresh processes per compared engine; it needs --compare or --baseline "
+        raise ValueError("--rounds: fresh processes per compared engine; it needs --compare or --baseline "
                          "and cannot go with --same-process")
 
 

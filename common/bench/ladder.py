@@ -87,7 +87,7 @@ def run_ladder(argv: list[str] | None = None) -> dict:
     try:
         stage_numbers = parse_stages(args.stages)
     except ValueError as exc:
-        raise SystemExit(f"--stages: {exc}") from None
+        raise ValueError(f"--stages: {exc}") from None
     notes: list[str] = []
     skipped: list[dict] = []
     setup = prepare(args, notes)
@@ -157,5 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed_engines(run_ladder(argv)) else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise ladder`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise ladder"))

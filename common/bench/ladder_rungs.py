@@ -93,15 +93,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag in ("max_batch_size", "prefill_max_batch_size", "num_kv_blocks", "threads"):  # None: not given; 0 is no size
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.max_batch_size is None:
         args.max_batch_size = preset.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)
     if args.prefill_max_batch_size is None:
         args.prefill_max_batch_size = preset.get("prefill_max_batch_size")
     if args.repeat_runs < 1 or args.warmup_runs < 0 or args.rounds < 1:
-        raise SystemExit("--repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
+        raise ValueError("--repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
     if args.rounds > 1 and args.same_process:
-        raise SystemExit("--rounds: fresh processes per engine; it cannot go with --same-process")
+        raise ValueError("--rounds: fresh processes per engine; it cannot go with --same-process")
     return args
 
 
@@ -188,7 +188,7 @@ def parse_stages(text: str | None) -> list[int]:
         return sorted(registry.STAGES)
     wanted = sorted({registry.stage_number(s.strip()) for s in text.split(",") if s.strip()})
     if not wanted:
-        raise SystemExit("--stages: give stage numbers, e.g. 1,2,4")
+        raise ValueError("--stages: give stage numbers, e.g. 1,2,4")
     return wanted
 
 

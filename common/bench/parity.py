@@ -158,12 +158,13 @@ def format_parity(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.max_new_tokens < 1 or a.max_batch_size < 1 or a.random_prompts < 0:
-        raise SystemExit("parity: --max-new-tokens and --max-batch-size must be >= 1, --random-prompts >= 0")
+        raise ValueError("--max-new-tokens and --max-batch-size must be >= 1, --random-prompts >= 0")
     torch.manual_seed(a.seed)
     result = measure(a)
     from common.bench.results import print_and_write
     return print_and_write("parity", result, format_parity(result), a.json, argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise parity`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise parity"))

@@ -272,9 +272,10 @@ def measure(a: argparse.Namespace) -> dict:
         new_tokens += -(-a.batch * a.prompt_len // max(int(budget) - a.batch, 1)) + 1
     window_len = loaded.config.max_position_embeddings
     if a.prompt_len + new_tokens > window_len:  # the requests would stop (or be cut) before the window is timed
-        raise SystemExit(f"profile-decode: --prompt-len {a.prompt_len} leaves no room in the model's context window "
-                         f"({window_len} tokens) for the {new_tokens} decode steps it runs (--steps {a.steps}); "
-                         f"at most --prompt-len {window_len - new_tokens}")
+        room = (f"at most --prompt-len {window_len - new_tokens}" if window_len > new_tokens
+                else "lower --steps")
+        raise ValueError(f"--prompt-len {a.prompt_len} leaves no room in the model's context window "
+                         f"({window_len} tokens) for the {new_tokens} decode steps it runs (--steps {a.steps}); {room}")
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
     # The model the engine runs: the loaded one, or (tensor parallel) rank 0's share of it
@@ -374,12 +375,13 @@ def format_profile(r: dict, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.batch < 1 or a.prompt_len < 1 or a.steps < 1:
-        raise SystemExit("profile-decode: --batch, --prompt-len and --steps must be >= 1")
+        raise ValueError("--batch, --prompt-len and --steps must be >= 1")
     torch.manual_seed(a.seed)
     result = measure(a)
     from common.bench.results import print_and_write
     return print_and_write("profile-decode", result, format_profile(result, a.top), a.json, argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise profile-decode`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise profile-decode"))

@@ -111,10 +111,10 @@ def measure(a: argparse.Namespace) -> dict:
     package, loaded, engine = stage_engine(a, {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
                                                "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
     if a.max_num_batched_tokens is not None and not hasattr(engine, "max_num_batched_tokens"):
-        raise SystemExit(f"profile-prefill: --max-num-batched-tokens: {package} prefills whole prompts "
+        raise ValueError(f"--max-num-batched-tokens: {package} prefills whole prompts "
                          "(stage 11 chunks them)")
     if a.prompt_len > engine.max_model_len:  # the prompt would be cut to the window, and the report lie about it
-        raise SystemExit(f"profile-prefill: --prompt-len {a.prompt_len} is longer than the model's context "
+        raise ValueError(f"--prompt-len {a.prompt_len} is longer than the model's context "
                          f"window ({engine.max_model_len} tokens)")
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
@@ -174,12 +174,13 @@ def format_profile(r: dict, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.prompt_len < 1 or a.repeats < 1:
-        raise SystemExit("profile-prefill: --prompt-len and --repeats must be >= 1")
+        raise ValueError("--prompt-len and --repeats must be >= 1")
     torch.manual_seed(a.seed)
     result = measure(a)
     from common.bench.results import print_and_write
     return print_and_write("profile-prefill", result, format_profile(result, a.top), a.json, argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise profile-prefill`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise profile-prefill"))

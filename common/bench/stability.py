@@ -111,7 +111,7 @@ def format_table(data: dict) -> str:
 def run_stability(argv: list[str]) -> dict:
     args, bench_argv = build_parser().parse_known_args(argv)
     if args.processes < 1:
-        raise SystemExit("--processes: must be >= 1")
+        raise ValueError("--processes: must be >= 1")
     from common.stages import resolve_stage
     from common.stages import short_name
 
@@ -152,5 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise stability`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise stability"))

@@ -219,5 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise worker-probe`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise worker-probe"))

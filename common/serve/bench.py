@@ -212,11 +212,11 @@ def run_event_loop(coro: Any, args: argparse.Namespace) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < 1 or args.max_new_tokens < 1 or args.repeat_runs < 1 or args.warmup_runs < 0:
-        raise SystemExit("bench-serve: --num-requests, --max-new-tokens, --repeat-runs must be >= 1")
+        raise ValueError("--num-requests, --max-new-tokens, --repeat-runs must be >= 1")
     if not args.request_rate > 0:  # inf (the default) is a burst; 0 would divide by zero, a negative rate means nothing
-        raise SystemExit(f"bench-serve: --request-rate must be > 0 (inf: a burst), got {args.request_rate}")
+        raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise SystemExit(f"bench-serve: --max-concurrency must be >= 1 (leave it out: no limit), got {args.max_concurrency}")
+        raise ValueError(f"--max-concurrency must be >= 1 (leave it out: no limit), got {args.max_concurrency}")
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
     args.pretok = args.pretok_base_token_ids = False  # what workload_from_args reads; ids travel as `prompt`
@@ -238,5 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise bench-serve`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise bench-serve"))

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     if a.repeat_runs < 1 or a.warmup_runs < 0:
-        raise SystemExit("serve-overhead: --repeat-runs must be >= 1 and --warmup-runs >= 0")
+        raise ValueError("--repeat-runs must be >= 1 and --warmup-runs >= 0")
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-overhead-") as tmp:
         http, local, pairs, meta = run_paired(a, Path(tmp))
     http_entry = {k: v for k, v in http.items() if k != "env"}
@@ -347,5 +347,6 @@ def _affinity() -> list[int] | None:
         return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `stagewise serve-overhead`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise serve-overhead"))

@@ -23,7 +23,7 @@ class Target:
     def __init__(self, base_url: str, endpoint: str, api_key: str | None) -> None:
         url = urllib.parse.urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
-            raise SystemExit(f"--base-url: expected http(s)://host[:port], got {base_url!r}")
+            raise ValueError(f"--base-url: expected http(s)://host[:port], got {base_url!r}")
         self.https, self.host = url.scheme == "https", url.hostname
         self.port = url.port or (443 if self.https else 80)
         prefix = url.path if url.path.endswith("/v1") else url.path + "/v1"
