@@ -407,7 +407,8 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
     the pages used to type by hand ("55 to 68 %", "±12.0 %", "0.44-0.87 of the floor")."""
     (tmp_path / "a.json").write_text(json.dumps({"x": 0.5, "y": 2.0, "s": {"compl tok/s": {"dev": 12.0}}}))
     (tmp_path / "b.json").write_text(json.dumps({"x": 0.25, "y": 4.0, "pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
-    assert results.render_bench_range(tmp_path, "b.json pairs.*.z") == "-1.50 to 3.50"  # over a list's items
+    assert results.render_bench_range(tmp_path, "b.json pairs.*.z") == "\u22121.50 to 3.50"  # over a list's items
+    assert results.render_bench_value(tmp_path, 'b.json "=-(pairs.0.z + pairs.2.z) / 2"') == "\u22122.75"
     assert results.render_bench_range(tmp_path, "a.json x b.json x") == "0.25 to 0.50"
     assert results.render_bench_range(tmp_path, "a.json x b.json x a.json x %") == "25.0 to 50.0 %"
     assert results.render_bench_range(tmp_path, 'a.json "=x * y" b.json "=(y - x) / y"') == "0.94 to 1.00"
@@ -420,6 +421,18 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
                                  (range_, "a.json x b.json x furlongs", "bench-range: expected"),
                                  (range_, 'a.json "=x ** y" b.json x', "only"),
                                  (range_, 'a.json "=x +" b.json x', "not an expression"),
+                                 (range_, 'a.json "=x / (y - 2)" b.json x', "divides by zero"),
+                                 (value, 'a.json "=x * 1e308 * 10"', "is inf"),
                                  (value, 'a.json "x', "bench-value: No closing quotation")):
         with pytest.raises(results.DocsError, match=message):
             render(tmp_path, bad)
+
+
+def test_bench_median_over_a_lists_items(tmp_path: Path) -> None:
+    (tmp_path / "r.json").write_text(json.dumps({"pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
+    assert results.render_bench_median(tmp_path, "r.json pairs.*.z") == "2"  # a count reads as one
+    assert results.render_bench_median(tmp_path, "r.json pairs.1.z r.json pairs.1.z") == "\u22121.50"
+    assert results.render_bench_median(tmp_path, "r.json pairs.*.z %") == "200.0 %"
+    assert results.render_bench_median(tmp_path, "none.json pairs.*.z") == "*pending*"
+    with pytest.raises(results.DocsError, match="bench-median: expected"):
+        results.render_bench_median(tmp_path, "r.json")

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -443,7 +444,9 @@ def _correctness_lines(data: dict) -> list[str]:
 
 UNITS = {"KiB": 1 / 1024, "MiB": 1 / 2**20, "%": 100.0}  # bench-value's optional last word: shown in it
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b if b else math.nan}
+        ast.Div: lambda a, b: a / b}
+MINUS = "\u2212"  # how a negative figure is shown: a minus sign, not a hyphen, as the pages' prose writes it
+_KEY_RE = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.\w+)*")  # a dotted key in an '=' expression: results.0.x
 
 
 def _words(directive: str, args: str) -> list[str]:
@@ -455,24 +458,37 @@ def _words(directive: str, args: str) -> list[str]:
 
 
 def _quantity(data: Any, key: str, path: str) -> float:
-    """A dotted key's number, or with a leading '=' arithmetic over such keys:
-    '=(profiled_step_ms - groups_ms_profiled.matmul) / floor_matmul_ms_profiled'."""
+    """A dotted key's number, or with a leading '=' arithmetic (+ - * /, parentheses, numbers)
+    over such keys: '=(profiled_step_ms - groups_ms_profiled.matmul) / floor_matmul_ms_profiled'."""
     if not key.startswith("="):
         return _number(data, key, path)
+    keys: list[str] = []
+
+    def name(m: re.Match) -> str:  # each key becomes a plain name for Python's parser: _k0, _k1, ...
+        keys.append(m.group(0))
+        return f"_k{len(keys) - 1}"
 
     def ev(node: ast.AST) -> float:
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return float(node.value)
-        if isinstance(node, (ast.Name, ast.Attribute)):
-            return _number(data, ast.unparse(node), path)
-        raise DocsError(f"{path}: {key!r}: only + - * / over dotted keys and numbers")
+        if isinstance(node, ast.Name) and node.id.startswith("_k"):
+            return _number(data, keys[int(node.id[2:])], path)
+        raise DocsError(f"{path}: {key!r}: only + - * / and parentheses over dotted keys and numbers")
     try:
-        tree = ast.parse(key[1:], mode="eval")
+        tree = ast.parse(_KEY_RE.sub(name, key[1:]), mode="eval")
     except SyntaxError:
         raise DocsError(f"{path}: {key!r} is not an expression over dotted keys") from None
-    return ev(tree.body)
+    try:
+        value = ev(tree.body)
+    except ZeroDivisionError:
+        raise DocsError(f"{path}: {key!r} divides by zero") from None
+    if not math.isfinite(value):
+        raise DocsError(f"{path}: {key!r} is {value}")
+    return value
 
 
 def _show(value: float, unit: str | None) -> str:
@@ -489,7 +505,7 @@ def render_bench_value(root: Path, args: str) -> str:
     if data is None:
         return "*pending*"
     unit = parts[2] if len(parts) == 3 else None
-    value = _show(_quantity(data, parts[1], parts[0]), unit)
+    value = _show(_quantity(data, parts[1], parts[0]), unit).replace("-", MINUS)
     return f"{value} {unit}" if unit else value
 
 
@@ -504,25 +520,45 @@ def _quantities(data: Any, key: str, path: str) -> list[float]:
     return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
 
 
-def render_bench_range(root: Path, args: str) -> str:
-    """'LOW to HIGH' of one quantity over several results, or over a list's items ('pairs.*.x'):
-    `PATH KEY [PATH KEY ...] [UNIT]`."""
-    parts = _words("bench-range", args)
+def _values_of(directive: str, root: Path, args: str) -> tuple[list[float] | None, str | None]:
+    """`PATH KEY [PATH KEY ...] [UNIT]`: every value named (a '*' key gives one per list item),
+    and the unit; None for the values while a file is not committed yet."""
+    parts = _words(directive, args)
     unit = parts.pop() if len(parts) % 2 else None
     if len(parts) < 2 or (unit is not None and unit not in UNITS):
-        raise DocsError(f"bench-range: expected 'PATH KEY [PATH KEY ...] [{'|'.join(UNITS)}]', got {args!r}")
-    values = []
+        raise DocsError(f"{directive}: expected 'PATH KEY [PATH KEY ...] [{'|'.join(UNITS)}]', got {args!r}")
+    values: list[float] = []
     for path, key in zip(parts[::2], parts[1::2]):
         data = load_result(root, path)
         if data is None:
-            return "*pending*"
+            return None, unit
         values += _quantities(data, key, path)
-    low, high = min(values), max(values)
+    return values, unit
+
+
+def _figures(values: list[float], unit: str | None) -> list[str]:
+    """Figures shown side by side, all alike: "0.94 to 1.00", not "0.94 to 1"."""
     if unit:
-        return f"{low * UNITS[unit]:.1f} to {high * UNITS[unit]:.1f} {unit}"
-    if low.is_integer() and high.is_integer():  # counts read as counts
-        return f"{low:.0f} to {high:.0f}"
-    return f"{low:.2f} to {high:.2f}"  # both ends alike: "0.94 to 1.00", not "0.94 to 1"
+        return [f"{v * UNITS[unit]:.1f}".replace("-", MINUS) for v in values]
+    digits = 0 if all(v.is_integer() for v in values) else 2  # counts read as counts
+    return [f"{v:.{digits}f}".replace("-", MINUS) for v in values]
+
+
+def render_bench_range(root: Path, args: str) -> str:
+    """'LOW to HIGH' of one quantity over several results, or over a list's items ('pairs.*.x')."""
+    values, unit = _values_of("bench-range", root, args)
+    if values is None:
+        return "*pending*"
+    low, high = _figures([min(values), max(values)], unit)
+    return f"{low} to {high}" + (f" {unit}" if unit else "")
+
+
+def render_bench_median(root: Path, args: str) -> str:
+    """The median of the same: the middle of a run's pairs, say ('overhead.pairs.*.x')."""
+    values, unit = _values_of("bench-median", root, args)
+    if values is None:
+        return "*pending*"
+    return _figures([statistics.median(values)], unit)[0] + (f" {unit}" if unit else "")
 
 
 def render_bench_ratio(root: Path, args: str) -> str:
