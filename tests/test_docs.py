@@ -408,6 +408,7 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps({"x": 0.5, "y": 2.0, "s": {"compl tok/s": {"dev": 12.0}}}))
     (tmp_path / "b.json").write_text(json.dumps({"x": 0.25, "y": 4.0, "pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
     assert results.render_bench_range(tmp_path, "b.json pairs.*.z") == "\u22121.50 to 3.50"  # over a list's items
+    assert results.render_bench_range(tmp_path, 'b.json "=pairs.*.z - pairs.*.z + x"') == "0.25 to 0.25"  # same item
     assert results.render_bench_value(tmp_path, 'b.json "=-(pairs.0.z + pairs.2.z) / 2"') == "\u22122.75"
     assert results.render_bench_range(tmp_path, "a.json x b.json x") == "0.25 to 0.50"
     assert results.render_bench_range(tmp_path, "a.json x b.json x a.json x %") == "25.0 to 50.0 %"

@@ -34,7 +34,7 @@ Inline directives (anywhere in a line, e.g. a table cell):
 Key paths are dotted; a list is indexed by position (`compare.0`) or by the `engine` name of
 its entry (`compare.s06_prefill_microbatching`). A key with a space is quoted
 ("summary.compl tok/s.median"); one that starts with '=' is arithmetic over dotted keys
-("=groups_ms_profiled.kv_cache / floor_ms"). A missing result file never fails the build
+("=groups_ms_profiled.kv_cache / floor_ms"; a `*` there takes the same item of every list). A missing result file never fails the build
 (results are committed after the code); a malformed one, or a key that is not there, does.
 Directives inside fenced code blocks are left alone.
 """

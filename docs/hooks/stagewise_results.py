@@ -510,14 +510,15 @@ def render_bench_value(root: Path, args: str) -> str:
 
 
 def _quantities(data: Any, key: str, path: str) -> list[float]:
-    """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms'."""
-    if ".*." not in key:
+    """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms', or
+    in arithmetic '=pairs.*.a - pairs.*.b' (every '*' takes the same item)."""
+    m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
+    if m is None:
         return [_quantity(data, key, path)]
-    head, tail = key.split(".*.", 1)
-    items = lookup(data, head, path)
+    items = lookup(data, m.group(1), path)
     if not isinstance(items, list) or not items:
-        raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
-    return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
+        raise DocsError(f"{path}: {m.group(1)!r} is not a list to take '*' over")
+    return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*.", f".{i}."), path)]
 
 
 def _values_of(directive: str, root: Path, args: str) -> tuple[list[float] | None, str | None]:
