@@ -409,6 +409,11 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
     (tmp_path / "b.json").write_text(json.dumps({"x": 0.25, "y": 4.0, "pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
     assert results.render_bench_range(tmp_path, "b.json pairs.*.z") == "\u22121.50 to 3.50"  # over a list's items
     assert results.render_bench_range(tmp_path, 'b.json "=pairs.*.z - pairs.*.z + x"') == "0.25 to 0.25"  # same item
+    (tmp_path / "n.json").write_text(json.dumps({"runs": [{"p": [{"x": 1}, {"x": 2}]}, {"p": [{"x": 3}]}], "inf": 1e999}))
+    assert results.render_bench_range(tmp_path, "n.json runs.*.p.*.x") == "1 to 3"  # a plain key walks every list
+    assert results.render_bench_value(tmp_path, 'n.json "=-(runs.0.p.0.x - 1)"') == "0"  # not "−0"
+    with pytest.raises(results.DocsError, match="is inf"):
+        results.render_bench_value(tmp_path, "n.json inf")
     assert results.render_bench_value(tmp_path, 'b.json "=-(pairs.0.z + pairs.2.z) / 2"') == "\u22122.75"
     assert results.render_bench_range(tmp_path, "a.json x b.json x") == "0.25 to 0.50"
     assert results.render_bench_range(tmp_path, "a.json x b.json x a.json x %") == "25.0 to 50.0 %"

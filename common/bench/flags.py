@@ -38,7 +38,7 @@ def _check_writable(path: Path, want_dir: bool) -> None:
         raise argparse.ArgumentTypeError(f"{path} is {'not ' if want_dir else ''}a directory")
     try:
         if path.exists() and not want_dir:  # /dev/null and a file to overwrite: its folder is not written
-            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))  # a FIFO with no reader: refused, not a hang
             return
         folder = path if want_dir else path.parent
         while not folder.exists():  # the writers make missing folders: the nearest one that exists must take them

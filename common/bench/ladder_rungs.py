@@ -188,7 +188,7 @@ def parse_stages(text: str | None) -> list[int]:
         return sorted(registry.STAGES)
     wanted = sorted({registry.stage_number(s.strip()) for s in text.split(",") if s.strip()})
     if not wanted:
-        raise ValueError("--stages: give stage numbers, e.g. 1,2,4")
+        raise ValueError("give stage numbers, e.g. 1,2,4")
     return wanted
 
 

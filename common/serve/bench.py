@@ -212,7 +212,7 @@ def run_event_loop(coro: Any, args: argparse.Namespace) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < 1 or args.max_new_tokens < 1 or args.repeat_runs < 1 or args.warmup_runs < 0:
-        raise ValueError("--num-requests, --max-new-tokens, --repeat-runs must be >= 1")
+        raise ValueError("--num-requests, --max-new-tokens and --repeat-runs must be >= 1, --warmup-runs >= 0")
     if not args.request_rate > 0:  # inf (the default) is a burst; 0 would divide by zero, a negative rate means nothing
         raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:

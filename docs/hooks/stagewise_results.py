@@ -459,9 +459,15 @@ def _words(directive: str, args: str) -> list[str]:
 
 def _quantity(data: Any, key: str, path: str) -> float:
     """A dotted key's number, or with a leading '=' arithmetic (+ - * /, parentheses, numbers)
-    over such keys: '=(profiled_step_ms - groups_ms_profiled.matmul) / floor_matmul_ms_profiled'."""
-    if not key.startswith("="):
-        return _number(data, key, path)
+    over such keys: '=(profiled_step_ms - groups_ms_profiled.matmul) / floor_matmul_ms_profiled'.
+    Either must be finite: a page never shows 'nan' or 'inf'."""
+    value = _evaluate(data, key, path) if key.startswith("=") else _number(data, key, path)
+    if not math.isfinite(value):
+        raise DocsError(f"{path}: {key!r} is {value}")
+    return value + 0.0  # -0.0 shows as 0
+
+
+def _evaluate(data: Any, key: str, path: str) -> float:
     keys: list[str] = []
 
     def name(m: re.Match) -> str:  # each key becomes a plain name for Python's parser: _k0, _k1, ...
@@ -483,12 +489,9 @@ def _quantity(data: Any, key: str, path: str) -> float:
     except SyntaxError:
         raise DocsError(f"{path}: {key!r} is not an expression over dotted keys") from None
     try:
-        value = ev(tree.body)
+        return ev(tree.body)
     except ZeroDivisionError:
         raise DocsError(f"{path}: {key!r} divides by zero") from None
-    if not math.isfinite(value):
-        raise DocsError(f"{path}: {key!r} is {value}")
-    return value
 
 
 def _show(value: float, unit: str | None) -> str:
@@ -510,15 +513,19 @@ def render_bench_value(root: Path, args: str) -> str:
 
 
 def _quantities(data: Any, key: str, path: str) -> list[float]:
-    """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms', or
-    in arithmetic '=pairs.*.a - pairs.*.b' (every '*' takes the same item)."""
+    """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms'; in
+    arithmetic every '*' takes the same item: '=pairs.*.a - pairs.*.b'."""
     m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
     if m is None:
         return [_quantity(data, key, path)]
-    items = lookup(data, m.group(1), path)
+    head = m.group(1)
+    items = lookup(data, head, path)
     if not isinstance(items, list) or not items:
-        raise DocsError(f"{path}: {m.group(1)!r} is not a list to take '*' over")
-    return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*.", f".{i}."), path)]
+        raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
+    if key.startswith("="):
+        return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*.", f".{i}."), path)]
+    tail = key[m.end():]  # a plain key: each item's own lists are walked in turn
+    return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
 
 
 def _values_of(directive: str, root: Path, args: str) -> tuple[list[float] | None, str | None]:
@@ -573,4 +580,4 @@ def render_bench_ratio(root: Path, args: str) -> str:
     if num_data is None or den_data is None:
         return "*pending*"
     num, den = _quantity(num_data, parts[1], parts[0]), _quantity(den_data, parts[3], parts[2])
-    return "—" if den == 0 else f"{num / den:.2f}×"
+    return "—" if den == 0 else f"{num / den:.2f}×".replace("-", MINUS)
