@@ -1,4 +1,4 @@
-"""Whether a KV pool fits the device, asked before a byte of it is allocated.
+"""Whether a KV pool (or a CUDA graph's buffers) fits the device, asked before a byte of it is allocated.
 
 Why this exists: the pool is `torch.empty`, which on the CPU only reserves address space, so a
 `num_kv_blocks` of a billion used to get as far as the allocator's bookkeeping (a Python list per
@@ -31,13 +31,18 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def check_fits(nbytes: int, device: torch.device, what: str, knobs: str) -> None:
+    """A ValueError saying `what` needs `nbytes` and which `knobs` to lower, if that is more than
+    `device`'s memory (device_memory_bytes)."""
+    have = device_memory_bytes(device)
+    if nbytes > have:
+        where = "free on the GPU" if device.type == "cuda" else f"of {device.type} memory"
+        raise ValueError(f"{what} needs {nbytes / GiB:,.1f} GiB, more than the {have / GiB:,.1f} GiB {where}: "
+                         f"lower {knobs}")
+
+
 def check_kv_pool_fits(num_blocks: int, block_size: int, pool_bytes: int, device: torch.device) -> None:
     """A ValueError naming the knobs that size the pool if its `pool_bytes` (K and V, every layer,
     `num_blocks` blocks of `block_size` tokens as the caller asked) do not fit `device`'s memory."""
-    have = device_memory_bytes(device)
-    if pool_bytes > have:
-        where = "free on the GPU" if device.type == "cuda" else f"of {device.type} memory"
-        raise ValueError(f"the KV pool (num_kv_blocks={num_blocks}, block_size={block_size}) needs "
-                         f"{pool_bytes / GiB:,.1f} GiB, more than the {have / GiB:,.1f} GiB {where}: lower "
-                         "num_kv_blocks, kv_cache_max_concurrency or block_size (or max_batch_size, which sizes "
-                         "the default pool)")
+    check_fits(pool_bytes, device, f"the KV pool (num_kv_blocks={num_blocks}, block_size={block_size})",
+               "num_kv_blocks, kv_cache_max_concurrency or block_size (or max_batch_size, which sizes the default pool)")

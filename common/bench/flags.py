@@ -137,7 +137,7 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
     add_enforce_eager_arg(g)
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                   help="stage 12+: the largest decode batch captured as a CUDA graph (default: max batch size)")
+                   help="stage 12+: the largest decode batch captured as a CUDA graph (default: the max batch size, at most 512, as vLLM)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="stage 14: ranks the model is split across, started by the engine (default 1)")
 

@@ -149,7 +149,9 @@ class InferenceEngine:
         int_knob("max_num_batched_tokens", max_num_batched_tokens, 1)
         if max_num_batched_tokens < max_batch_size:  # vLLM's rule too: decode rows alone must fit
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size ({max_batch_size})")
-        capture_size = max_batch_size if max_cudagraph_capture_size is None else max_cudagraph_capture_size
+        # At most 512 rows by default, as vLLM's default (min(2 x max_num_seqs, 512)): a larger decode
+        # batch runs eagerly, its kernels long enough that launches no longer dominate.
+        capture_size = min(max_batch_size, 512) if max_cudagraph_capture_size is None else max_cudagraph_capture_size
         int_knob("max_cudagraph_capture_size", capture_size, 1)
         if capture_size > max_batch_size:  # vLLM's name; above the batch it could never be used
             raise ValueError(f"max_cudagraph_capture_size must be between 1 and max_batch_size ({max_batch_size}), "

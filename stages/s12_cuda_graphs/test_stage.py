@@ -245,3 +245,17 @@ def test_bad_knobs_are_refused_by_name_and_close_frees_the_graphs(tiny) -> None:
     assert engine.graphs is None and engine.kv_stats()["cudagraphs"] == 0
     params = SamplingParams(max_new_tokens=3, stop_on_eos=False)
     assert len(engine.generate([Request(prompt_token_ids=_ids(4, seed=1), params=params)])[0].token_ids) == 3
+
+
+def test_the_capture_size_is_at_most_512_by_default_and_its_buffers_must_fit(tiny, monkeypatch) -> None:
+    """vLLM's default cap; past it the step runs eagerly. An explicit size whose logits buffer
+    ([size, V]) cannot fit was a RuntimeError from the allocator; it is a ValueError naming the knob."""
+    import common.memory
+
+    engine = s12.InferenceEngine(tiny, max_batch_size=600, max_num_batched_tokens=600, num_kv_blocks=64,
+                                 enforce_eager=False)
+    assert engine.graphs.batch_sizes[-1] == 512
+    engine.close()
+    monkeypatch.setattr(common.memory, "device_memory_bytes", lambda device: 10**6)  # the pool fits, the buffer not
+    with pytest.raises(ValueError, match=r"^the CUDA graphs' logits buffer \(64 rows\) needs .* lower max_cudagraph_capture_size$"):
+        s12.InferenceEngine(tiny, max_batch_size=64, num_kv_blocks=4, block_size=4, enforce_eager=False)

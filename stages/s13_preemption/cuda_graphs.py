@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.device import to_device
+from common.memory import check_fits
 
 from .attention import DecodeAttention, StepAttention
 
@@ -84,13 +85,15 @@ class DecodeGraphs:
         # No sequence can hold more blocks than the pool has, nor more than the context window.
         self.widths = width_buckets(min(pool.tables.table.shape[1], pool.allocator.num_blocks))
         G, W = self.batch_sizes[-1], self.widths[-1]
+        vocab = engine.model.lm_head_weight.shape[0]
+        check_fits(G * vocab * engine.loaded.dtype.itemsize, device, f"the CUDA graphs' logits buffer ({G} rows)",
+                   "max_cudagraph_capture_size")  # the largest of the static buffers, [G, V]
         self.ids = torch.zeros((1, G), dtype=torch.long, device=device)  # [1, G]: one packed row, as stage 11
         self.positions = torch.zeros((1, G), dtype=torch.long, device=device)  # [1, G]
         self.slots = torch.zeros(G, dtype=torch.long, device=device)  # [G]: where each row's new K/V go
         self.blocks = torch.zeros((G, W), dtype=torch.long, device=device)  # [G, W]: block tables
         self.lengths = torch.zeros(G, dtype=torch.long, device=device)  # [G]: cached tokens, this one included
         self.rows = torch.arange(G, device=device)  # [G]: every row's logits
-        vocab = engine.model.lm_head_weight.shape[0]
         self.logits = torch.empty((G, vocab), dtype=engine.loaded.dtype, device=device)  # [G, V]: every graph's output
         self._pad(0, G)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
