@@ -16,9 +16,10 @@ from common.config import ModelConfig
 GiB = 1 << 30
 
 
-def kv_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-    """The K and V of `tokens` tokens, every layer and KV head."""
-    return 2 * config.num_layers * tokens * config.num_kv_heads * config.head_dim * dtype.itemsize
+def kv_bytes(config: ModelConfig, tokens: float, element_size: int) -> float:
+    """The K and V of `tokens` tokens (a mean may be fractional), every layer and KV head, at
+    `element_size` bytes a value: a KV block, a pool, what a decode step reads."""
+    return 2 * config.num_layers * tokens * config.num_kv_heads * config.head_dim * element_size
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -90,6 +90,15 @@ def summary_line(module: ModuleType) -> str:
     return first.split(". ", 1)[0].rstrip(".") + "." if first else ""
 
 
+def streaming_stage(stage: str | int | None) -> str:
+    """resolve_stage, for a command that drives a stage's SchedulerManager (serve, serve-compare,
+    worker-probe): a stage without one, 01 to 03, is a ValueError naming it."""
+    package = resolve_stage(stage)
+    if not hasattr(importlib.import_module(package), "SchedulerManager"):
+        raise ValueError(f"stage: {package} has no SchedulerManager; stage 4 or later has one")
+    return package
+
+
 def resolve_stage(stage: str | int | None) -> str:
     """The requested stage if it imports, else the newest one before it that does (with a note)."""
     wanted = stage_package(stage) if stage is not None else STAGES[max(STAGES)]

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from common.linear import linear
+from common.memory import kv_bytes
 from common.sampling import greedy_pick
 
 
@@ -90,7 +91,7 @@ def kv_bytes_per_step(config: Any, batch: int, context: float, element_size: int
     """Bytes of K and V a decode step must read at the least: `context` cached tokens for each of
     `batch` rows, in every layer, read once. Paged engines read more (whole blocks, padded to the
     longest row, and the copy they gather into); this counts only what attention needs."""
-    return int(2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * element_size)
+    return int(kv_bytes(config, batch * context, element_size))
 
 
 @torch.inference_mode()

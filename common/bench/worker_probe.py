@@ -84,8 +84,8 @@ def eager_count(scheduler: Any) -> int | None:
 
 def instrument(stage_package: str) -> Stopwatch:
     """Stopwatches on the stage's SchedulerManager and OnlineScheduler classes (this process only)."""
-    if not hasattr(importlib.import_module(stage_package), "SchedulerManager"):
-        raise ValueError(f"stage: {stage_package} has no SchedulerManager (a worker to probe): stages 04 and later")
+    from common.stages import streaming_stage
+    streaming_stage(stage_package)  # a stage with no worker to probe: a ValueError naming it
     server = importlib.import_module(f"{stage_package}.server")
     scheduler = importlib.import_module(f"{stage_package}.scheduler").OnlineScheduler
     watch = Stopwatch()

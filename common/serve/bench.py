@@ -209,12 +209,23 @@ def run_event_loop(coro: Any, args: argparse.Namespace) -> Any:
         return runner.run(coro)
 
 
+def check_run_args(args: argparse.Namespace) -> None:
+    """The workload's size, runs and rate, each a ValueError naming its flag: bench-serve's own
+    check, and serve-compare's before it starts a server (a `request_rate` of None is a burst there)."""
+    for flag, value in (("--num-requests", args.num_requests), ("--max-new-tokens", args.max_new_tokens),
+                        ("--repeat-runs", args.repeat_runs)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.warmup_runs < 0:
+        raise ValueError(f"--warmup-runs must be >= 0, got {args.warmup_runs}")
+    if args.request_rate is not None and not args.request_rate > 0:  # inf (the default) is a burst; 0 would
+        # divide by zero, and a negative rate means nothing
+        raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {args.request_rate:g}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_requests < 1 or args.max_new_tokens < 1 or args.repeat_runs < 1 or args.warmup_runs < 0:
-        raise ValueError("--num-requests, --max-new-tokens and --repeat-runs must be >= 1, --warmup-runs >= 0")
-    if not args.request_rate > 0:  # inf (the default) is a burst; 0 would divide by zero, a negative rate means nothing
-        raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {args.request_rate}")
+    check_run_args(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1 (leave it out: no limit), got {args.max_concurrency}")
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):

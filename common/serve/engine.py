@@ -43,10 +43,11 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     from common.bench.flags import accepted, engine_knobs, manager_knobs
     from common.loader import load_model
 
-    package = registry.resolve_stage(args.stage)
-    module = importlib.import_module(package)
-    if not hasattr(module, "SchedulerManager"):
-        raise SystemExit(f"serve: {registry.short_name(package)} has no SchedulerManager; serve needs stage 4 or later")
+    package = registry.resolve_stage(args.stage)  # an unknown stage: a ValueError
+    try:
+        module = importlib.import_module(registry.streaming_stage(package))
+    except ValueError as exc:  # a stage without a manager: the server exits with why (engine_process.py too)
+        raise SystemExit(f"serve: {exc}") from None
     torch.manual_seed(args.seed)
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
     # Split across ranks (stage 14), every rank reads its own share of the weights: none loads them all.

@@ -494,12 +494,6 @@ def _evaluate(data: Any, key: str, path: str) -> float:
         raise DocsError(f"{path}: {key!r} divides by zero") from None
 
 
-def _show(value: float, unit: str | None) -> str:
-    if unit:
-        return f"{value * UNITS[unit]:.1f}"
-    return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"  # a count (kernel launches a step) reads as one
-
-
 def render_bench_value(root: Path, args: str) -> str:
     parts = _words("bench-value", args)
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in UNITS):
@@ -508,8 +502,7 @@ def render_bench_value(root: Path, args: str) -> str:
     if data is None:
         return "*pending*"
     unit = parts[2] if len(parts) == 3 else None
-    value = _show(_quantity(data, parts[1], parts[0]), unit).replace("-", MINUS)
-    return f"{value} {unit}" if unit else value
+    return _figures([_quantity(data, parts[1], parts[0])], unit)[0] + (f" {unit}" if unit else "")
 
 
 def _quantities(data: Any, key: str, path: str) -> list[float]:
@@ -548,7 +541,7 @@ def _figures(values: list[float], unit: str | None) -> list[str]:
     """Figures shown side by side, all alike: "0.94 to 1.00", not "0.94 to 1"."""
     if unit:
         return [f"{v * UNITS[unit]:.1f}".replace("-", MINUS) for v in values]
-    digits = 0 if all(v.is_integer() for v in values) else 2  # counts read as counts
+    digits = 0 if all(v.is_integer() for v in values) else 2  # a count (kernel launches a step) reads as one
     return [f"{v:.{digits}f}".replace("-", MINUS) for v in values]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from common.config import ModelConfig
 from common.device import to_device
-from common.memory import check_kv_pool_fits
+from common.memory import check_kv_pool_fits, kv_bytes
 
 
 class OutOfKVBlocks(RuntimeError):
@@ -160,7 +160,7 @@ class KVBlockPool:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.pad_block = num_blocks
         shape = (config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
-        self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+        self.bytes_per_block = kv_bytes(config, block_size, dtype.itemsize)
         check_kv_pool_fits(num_blocks, block_size, shape[1] * self.bytes_per_block, device)  # a ValueError naming the knobs
         # torch.empty: blocks nobody has used yet are never touched, so the OS does not even back
         # them with memory. A block is zeroed when it is first taken (see `zero_if_fresh`).

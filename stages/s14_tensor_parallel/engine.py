@@ -211,7 +211,7 @@ class InferenceEngine:
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
         num_blocks = self._num_blocks(block_size, kv_cache_max_concurrency, num_kv_blocks)
         if self.device.type == "cpu":  # the ranks' shares of the pool all live on this host: the whole must fit
-            check_kv_pool_fits(num_blocks, block_size, kv_bytes(loaded.config, (num_blocks + 1) * block_size, loaded.dtype),
+            check_kv_pool_fits(num_blocks, block_size, kv_bytes(loaded.config, (num_blocks + 1) * block_size, loaded.dtype.itemsize),
                                self.device)
         self.tp.start({"package": __package__, "model": str(loaded.path), "device": self.device.type,
                        "dtype": str(loaded.dtype).replace("torch.", ""),

@@ -101,7 +101,7 @@ def test_on_a_cpu_the_ranks_pools_together_must_fit_the_host(tiny, monkeypatch) 
 
     if tiny.device.type != "cpu":
         pytest.skip("on a GPU each rank's share has a GPU of its own")
-    whole = kv_bytes(tiny.config, (1000 + 1) * BS, tiny.dtype)
+    whole = kv_bytes(tiny.config, (1000 + 1) * BS, tiny.dtype.itemsize)
     monkeypatch.setattr(common.memory, "device_memory_bytes", lambda device: whole - 1)  # each half fits
     with pytest.raises(ValueError, match=r"^the KV pool \(num_kv_blocks=1000, block_size=4\)"):
         s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=1000, tensor_parallel_size=2)
