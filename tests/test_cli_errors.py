@@ -39,8 +39,11 @@ def test_bench_serve_refuses_a_rate_or_concurrency_that_means_nothing(flags, mes
         bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "tiny", *flags])
 
 
-def test_profile_prefill_refuses_a_prompt_longer_than_the_window() -> None:
-    """It was cut to the window without a word, and the report's GFLOP/s counted the whole prompt."""
+def test_profile_prefill_refuses_a_prompt_longer_than_the_window(monkeypatch) -> None:
+    """It was cut to the window without a word, and the report's GFLOP/s counted the whole prompt.
+    Refused before the weights load."""
+    from common import loader
+    monkeypatch.setattr(loader, "load_model", lambda *args, **kwargs: pytest.fail("the model loaded first"))
     with pytest.raises(ValueError, match="--prompt-len 100000 is longer than the model's context window"):
         profile_prefill.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "100000"])
 
@@ -69,11 +72,20 @@ def test_the_ladder_refuses_a_size_of_0_instead_of_taking_its_default(flag) -> N
     assert parse_args(["--model", "tiny", "--out", "/tmp/unused"]).max_batch_size >= 1  # not given: the default
 
 
-def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps() -> None:
-    """It used to run, and report 'saw 0 decode steps'."""
+def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps(monkeypatch) -> None:
+    """It used to run, and report 'saw 0 decode steps'. The check needs the stage and the config
+    only, so it comes before the weights load (the default model takes seconds to)."""
+    from common import loader
     from common.bench import profile_decode
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
     with pytest.raises(ValueError, match=r"--prompt-len 125 leaves no room .* \(128 tokens\) .* at most --prompt-len 120$"):
         profile_decode.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "125", "--steps", "2"])
+    with pytest.raises(ValueError, match=r"--prompt-len 115 leaves no room .* for the 17 decode steps"):  # chunked: more tokens
+        profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--batch", "16", "--prompt-len", "115", "--steps", "2"])
 
 
 @pytest.mark.parametrize("flag", ["--json", "--out"])

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import random
 import statistics
 import sys
@@ -53,6 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import DTYPE_HELP, add_enforce_eager_arg, output_file
 from common.bench.report import dtype_lines
+from common.config import ModelConfig
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
@@ -127,16 +129,46 @@ def op_table(prof: Any, steps: int, kernels: bool = False) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
+def stage_class(a: argparse.Namespace) -> tuple[str, Any, ModelConfig]:
+    """(stage package, its InferenceEngine class, the model's config), read before any weight is:
+    a flag that cannot work with them fails in a second, not after the model has loaded."""
+    from common.loader import model_dir
+    from common.stages import resolve_stage
+
+    package = resolve_stage(a.stage)
+    return package, importlib.import_module(package).InferenceEngine, ModelConfig.from_pretrained(model_dir(a.model))
+
+
 def stage_engine(a: argparse.Namespace, knobs: dict) -> tuple[str, Any, Any]:
     """(stage package, loaded model, the stage's offline InferenceEngine with those of `knobs` it takes)."""
     from common.bench.flags import accepted
-    from common.stages import resolve_stage
     from common.loader import load_model
 
-    package = resolve_stage(a.stage)
+    package, engine_class, _ = stage_class(a)
     loaded = load_model(a.model, device=a.device, dtype=a.dtype)
-    engine_class = importlib.import_module(package).InferenceEngine
     return package, loaded, engine_class(loaded, **accepted(engine_class, knobs))
+
+
+def has_knob(engine_class: Any, name: str) -> bool:
+    return name in inspect.signature(engine_class).parameters
+
+
+def decode_tokens(a: argparse.Namespace, engine_class: Any, config: ModelConfig) -> int:
+    """How many tokens each request generates for the timed window; a ValueError where the
+    prompt leaves them no room in the context window."""
+    new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
+    if has_knob(engine_class, "max_num_batched_tokens"):  # chunked prefill (stage 11): the first prompts
+        # decode while the last are prefilled, so they need enough tokens to still be running when the
+        # whole batch decodes together. Their decode rows share each step's budget with the chunks:
+        # at most `batch` of it.
+        budget = inspect.signature(engine_class).parameters["max_num_batched_tokens"].default
+        new_tokens += -(-a.batch * a.prompt_len // max(int(budget) - a.batch, 1)) + 1
+    window_len = config.max_position_embeddings
+    if a.prompt_len + new_tokens > window_len:  # the requests would stop (or be cut) before the window is timed
+        room = f"at most --prompt-len {window_len - new_tokens}" if window_len > new_tokens else "lower --steps"
+        raise ValueError(f"--prompt-len {a.prompt_len} leaves no room in the model's context window "
+                         f"({window_len} tokens) for the {new_tokens} decode steps it runs (--steps {a.steps}); {room}")
+    return new_tokens
 
 
 def result_head(kind: str, package: str, loaded: Any, a: argparse.Namespace) -> dict:
@@ -259,23 +291,12 @@ def measure(a: argparse.Namespace) -> dict:
     from common.bench.workloads import model_token_range, random_token_ids
 
     machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
+    new_tokens = decode_tokens(a, *stage_class(a)[1:])
     package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,
                                                "tensor_parallel_size": a.tensor_parallel_size})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
     ids = [random_token_ids(rng, a.prompt_len, *model_token_range(vocab)) for _ in range(a.batch)]
-    new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
-    budget = getattr(engine, "max_num_batched_tokens", None)
-    if budget:  # chunked prefill (stage 11): the first prompts decode while the last are prefilled,
-        # so they need enough tokens to still be running when the whole batch decodes together. Their
-        # decode rows share each step's budget with the chunks: at most `batch` of it.
-        new_tokens += -(-a.batch * a.prompt_len // max(int(budget) - a.batch, 1)) + 1
-    window_len = loaded.config.max_position_embeddings
-    if a.prompt_len + new_tokens > window_len:  # the requests would stop (or be cut) before the window is timed
-        room = (f"at most --prompt-len {window_len - new_tokens}" if window_len > new_tokens
-                else "lower --steps")
-        raise ValueError(f"--prompt-len {a.prompt_len} leaves no room in the model's context window "
-                         f"({window_len} tokens) for the {new_tokens} decode steps it runs (--steps {a.steps}); {room}")
     requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False))
                 for p in ids]
     # The model the engine runs: the loaded one, or (tensor parallel) rank 0's share of it

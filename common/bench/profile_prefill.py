@@ -37,7 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import DTYPE_HELP, output_file
-from common.bench.profile_decode import group_fields, kernel_fields, op_table, report_lines, result_head, stage_engine
+from common.bench.profile_decode import (group_fields, has_knob, kernel_fields, op_table, report_lines, result_head,
+                                         stage_class, stage_engine)
 from common.bench.report import dtype_lines
 
 
@@ -108,14 +109,15 @@ def measure(a: argparse.Namespace) -> dict:
 
     # Prefix cache off: a random prompt never hits it, and without it each run's blocks go back to
     # the pool, so the timed runs reuse the blocks the warm-up touched (see the module docstring).
-    package, loaded, engine = stage_engine(a, {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
-                                               "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
-    if a.max_num_batched_tokens is not None and not hasattr(engine, "max_num_batched_tokens"):
+    package, engine_class, config = stage_class(a)  # the flags checked before the model loads
+    if a.max_num_batched_tokens is not None and not has_knob(engine_class, "max_num_batched_tokens"):
         raise ValueError(f"--max-num-batched-tokens: {package} prefills whole prompts "
                          "(stage 11 chunks them)")
-    if a.prompt_len > engine.max_model_len:  # the prompt would be cut to the window, and the report lie about it
+    if a.prompt_len > config.max_position_embeddings:  # the prompt would be cut to the window, and the report lie about it
         raise ValueError(f"--prompt-len {a.prompt_len} is longer than the model's context "
-                         f"window ({engine.max_model_len} tokens)")
+                         f"window ({config.max_position_embeddings} tokens)")
+    package, loaded, engine = stage_engine(a, {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
+                                               "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
 
