@@ -442,3 +442,20 @@ def test_bench_median_over_a_lists_items(tmp_path: Path) -> None:
     assert results.render_bench_median(tmp_path, "none.json pairs.*.z") == "*pending*"
     with pytest.raises(results.DocsError, match="bench-median: expected"):
         results.render_bench_median(tmp_path, "r.json")
+
+
+def test_bench_count_counts_a_lists_items_that_pass(tmp_path: Path) -> None:
+    """'7 of 10' comes from the file: against a number, or against another file's median."""
+    (tmp_path / "r.json").write_text(json.dumps({"pairs": [{"z": 3.5, "w": 1}, {"z": -1.5, "w": 0}, {"z": 2, "w": 3}]}))
+    (tmp_path / "o.json").write_text(json.dumps({"pairs": [{"z": 0}, {"z": 2.5}, {"z": 9}]}))
+    count = results.render_bench_count
+    assert count(tmp_path, "r.json pairs.*.z > 0") == "2 of 3"
+    assert count(tmp_path, "r.json pairs.*.z >= 2") == "2 of 3"
+    assert count(tmp_path, "r.json pairs.*.z < o.json pairs.*.z") == "2 of 3"  # under o's median, 2.5
+    assert count(tmp_path, 'r.json "=pairs.*.z - pairs.*.w" > -1.2') == "2 of 3"  # each item's own difference: 2.5, -1.5, -1
+    assert count(tmp_path, "none.json pairs.*.z > 0") == "*pending*"
+    for bad, message in (("r.json pairs.0.z > 0", "expected"), ("r.json pairs.*.z == 0", "expected"),
+                         ("r.json pairs.*.z > ten", "not a number")):
+        with pytest.raises(results.DocsError, match=message):
+            count(tmp_path, bad)
+    assert "2 of 3 pairs" in hook.expand("<!-- bench-count: r.json pairs.*.z > 0 --> pairs", tmp_path)

@@ -30,6 +30,8 @@ Inline directives (anywhere in a line, e.g. a table cell):
     <!-- bench-range: docs/results/X.json KEY docs/results/Y.json KEY ... [%] -->  "LOW to HIGH" over results
     <!-- bench-range: docs/results/X.json overhead.pairs.*.ttft_ms -->              ... over a list's items
     <!-- bench-median: docs/results/X.json overhead.pairs.*.ttft_ms -->             their median
+    <!-- bench-count: docs/results/X.json overhead.pairs.*.ttft_ms > 10 -->         "N of M" items over 10
+    <!-- bench-count: docs/results/X.json pairs.*.x < docs/results/Y.json pairs.*.x -->  ... under Y's median
 
 Key paths are dotted; a list is indexed by position (`compare.0`) or by the `engine` name of
 its entry (`compare.s06_prefill_microbatching`). A key with a space is quoted
@@ -49,12 +51,13 @@ import textwrap
 from pathlib import Path
 
 from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _name, _number, _rel,
-                               _value, default_command, env_line, load_result, placed_command, render_bench_median,
-                               render_bench_range, render_bench_ratio, render_bench_results, render_bench_value)
+                               _value, default_command, env_line, load_result, placed_command, render_bench_count,
+                               render_bench_median, render_bench_range, render_bench_ratio, render_bench_results,
+                               render_bench_value)
 
 BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results", "bench-tabs",
          "ladder-chart", "ladder-table", "parity-table", "serve-pairs")
-INLINE = ("bench-value", "bench-ratio", "bench-range", "bench-median")
+INLINE = ("bench-value", "bench-ratio", "bench-range", "bench-median", "bench-count")
 _NAMES = "|".join(sorted(BLOCK + INLINE, key=len, reverse=True))
 DIRECTIVE_RE = re.compile(r"<!--\s*(" + _NAMES + r")\b\s*:?\s*(.*?)\s*-->")
 FENCE_RE = re.compile(r"^\s*(`{3,}|~{3,})")
@@ -350,7 +353,8 @@ def expand(markdown: str, root: Path, page_src: str | None = None) -> str:
             if mm.group(1) in BLOCK:
                 raise DocsError(f"{mm.group(1)} must be alone on its line: {line.strip()!r}")
             render = {"bench-value": render_bench_value, "bench-ratio": render_bench_ratio,
-                      "bench-range": render_bench_range, "bench-median": render_bench_median}[mm.group(1)]
+                      "bench-range": render_bench_range, "bench-median": render_bench_median,
+                      "bench-count": render_bench_count}[mm.group(1)]
             return render(root, mm.group(2))
 
         out.append(DIRECTIVE_RE.sub(inline, line))

@@ -562,6 +562,33 @@ def render_bench_median(root: Path, args: str) -> str:
     return _figures([statistics.median(values)], unit)[0] + (f" {unit}" if unit else "")
 
 
+_COMPARE = {">": lambda a, b: a > b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+
+
+def render_bench_count(root: Path, args: str) -> str:
+    """'N of M': how many of a list's items (a '*' key) pass a test, against a number or against
+    the median of another key's values ('PATH KEY > 10', 'PATH KEY < PATH2 KEY2'), so that a
+    page's "7 of the 10 pairs" is counted from the file, never typed."""
+    parts = _words("bench-count", args)
+    if len(parts) not in (4, 5) or parts[2] not in _COMPARE or "*" not in parts[1]:
+        raise DocsError(f"bench-count: expected 'PATH KEY.*.X {'|'.join(_COMPARE)} (NUMBER | PATH KEY)', got {args!r}")
+    data = load_result(root, parts[0])
+    if data is None:
+        return "*pending*"
+    values = _quantities(data, parts[1], parts[0])
+    if len(parts) == 4:
+        try:
+            limit = float(parts[3])
+        except ValueError:
+            raise DocsError(f"bench-count: {parts[3]!r} is not a number (or give 'PATH KEY')") from None
+    else:
+        other = load_result(root, parts[3])
+        if other is None:
+            return "*pending*"
+        limit = statistics.median(_quantities(other, parts[4], parts[3]))
+    return f"{sum(_COMPARE[parts[2]](v, limit) for v in values)} of {len(values)}"
+
+
 def render_bench_ratio(root: Path, args: str) -> str:
     parts = _words("bench-ratio", args)
     if len(parts) == 3:  # both keys in one file
