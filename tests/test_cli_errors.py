@@ -86,6 +86,8 @@ def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps(monke
         profile_decode.main(["--stage", "4", "--model", "tiny", "--device", "cpu", "--prompt-len", "125", "--steps", "2"])
     with pytest.raises(ValueError, match=r"--prompt-len 115 leaves no room .* for the 17 decode steps"):  # chunked: more tokens
         profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--batch", "16", "--prompt-len", "115", "--steps", "2"])
+    with pytest.raises(ValueError, match=r"--batch 300: this stage's steps hold at most 256 tokens"):  # not 'no room'
+        profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--batch", "300", "--prompt-len", "16"])
 
 
 @pytest.mark.parametrize("flag", ["--json", "--out"])

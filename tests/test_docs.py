@@ -455,7 +455,9 @@ def test_bench_count_counts_a_lists_items_that_pass(tmp_path: Path) -> None:
     assert count(tmp_path, 'r.json "=pairs.*.z - pairs.*.w" > -1.2') == "2 of 3"  # each item's own difference: 2.5, -1.5, -1
     assert count(tmp_path, "none.json pairs.*.z > 0") == "*pending*"
     for bad, message in (("r.json pairs.0.z > 0", "expected"), ("r.json pairs.*.z == 0", "expected"),
-                         ("r.json pairs.*.z > ten", "not a number")):
+                         ("r.json pairs.*.z > ten", "not a finite number"), ("r.json pairs.*.z > nan", "not a finite"),
+                         ('r.json "=pairs.0.z * 2" > 0', "expected"), ("r.json pairs.*.z > 10 %", "no fifth word"),
+                         ("none.json pairs.*.z > ten", "not a finite number")):
         with pytest.raises(results.DocsError, match=message):
             count(tmp_path, bad)
     assert "2 of 3 pairs" in hook.expand("<!-- bench-count: r.json pairs.*.z > 0 --> pairs", tmp_path)

@@ -161,8 +161,11 @@ def decode_tokens(a: argparse.Namespace, engine_class: Any, config: ModelConfig)
         # decode while the last are prefilled, so they need enough tokens to still be running when the
         # whole batch decodes together. Their decode rows share each step's budget with the chunks:
         # at most `batch` of it.
-        budget = inspect.signature(engine_class).parameters["max_num_batched_tokens"].default
-        new_tokens += -(-a.batch * a.prompt_len // max(int(budget) - a.batch, 1)) + 1
+        budget = int(inspect.signature(engine_class).parameters["max_num_batched_tokens"].default)
+        if a.batch > budget:  # the engine's own rule: a step's decode rows alone must fit its budget
+            raise ValueError(f"--batch {a.batch}: this stage's steps hold at most {budget} tokens "
+                             f"(its max_num_batched_tokens), one per decode row")
+        new_tokens += -(-a.batch * a.prompt_len // max(budget - a.batch, 1)) + 1
     window_len = config.max_position_embeddings
     if a.prompt_len + new_tokens > window_len:  # the requests would stop (or be cut) before the window is timed
         room = f"at most --prompt-len {window_len - new_tokens}" if window_len > new_tokens else "lower --steps"
@@ -291,7 +294,7 @@ def measure(a: argparse.Namespace) -> dict:
     from common.bench.workloads import model_token_range, random_token_ids
 
     machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
-    new_tokens = decode_tokens(a, *stage_class(a)[1:])
+    new_tokens = decode_tokens(a, *stage_class(a)[1:])  # before the weights load
     package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,
                                                "tensor_parallel_size": a.tensor_parallel_size})
     rng = random.Random(a.seed)

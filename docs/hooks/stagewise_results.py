@@ -562,6 +562,19 @@ def render_bench_median(root: Path, args: str) -> str:
     return _figures([statistics.median(values)], unit)[0] + (f" {unit}" if unit else "")
 
 
+def _limit(word: str, quiet: bool = False) -> float | None:
+    """A finite number, or (quiet) None where the word is not one."""
+    try:
+        value = float(word)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value):
+        return value
+    if quiet:
+        return None
+    raise DocsError(f"bench-count: {word!r} is not a finite number (or give 'PATH KEY')")
+
+
 _COMPARE = {">": lambda a, b: a > b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
 
 
@@ -570,18 +583,16 @@ def render_bench_count(root: Path, args: str) -> str:
     the median of another key's values ('PATH KEY > 10', 'PATH KEY < PATH2 KEY2'), so that a
     page's "7 of the 10 pairs" is counted from the file, never typed."""
     parts = _words("bench-count", args)
-    if len(parts) not in (4, 5) or parts[2] not in _COMPARE or "*" not in parts[1]:
+    if len(parts) not in (4, 5) or parts[2] not in _COMPARE or ".*." not in parts[1]:
         raise DocsError(f"bench-count: expected 'PATH KEY.*.X {'|'.join(_COMPARE)} (NUMBER | PATH KEY)', got {args!r}")
+    limit = _limit(parts[3]) if len(parts) == 4 else None  # checked before any file is read
+    if len(parts) == 5 and _limit(parts[3], quiet=True) is not None:
+        raise DocsError(f"bench-count: a number limit takes no fifth word, got {args!r}")
     data = load_result(root, parts[0])
     if data is None:
         return "*pending*"
     values = _quantities(data, parts[1], parts[0])
-    if len(parts) == 4:
-        try:
-            limit = float(parts[3])
-        except ValueError:
-            raise DocsError(f"bench-count: {parts[3]!r} is not a number (or give 'PATH KEY')") from None
-    else:
+    if limit is None:
         other = load_result(root, parts[3])
         if other is None:
             return "*pending*"
