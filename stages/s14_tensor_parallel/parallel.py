@@ -22,6 +22,7 @@ import datetime
 import os
 import pickle
 import socket
+import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -109,7 +110,13 @@ class TensorParallel:
         if self.backend == "gloo":  # CPU ranks share this machine's cores: each takes its part of the threads
             self._threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self._threads // self.local_ranks))
+        store = None  # under torchrun: its environment's rendezvous (env://)
         if not self.launched_by_torchrun:
+            # Rank 0 holds the rendezvous store, and forms the group only once every rank it
+            # started has checked in: a rank that dies on its way up (an import error; a script
+            # without `if __name__ == "__main__":`, which spawn runs again in the child) is an
+            # error now, not a wait of START_TIMEOUT.
+            store = self._store(is_master=True)
             ctx = mp.get_context("spawn")
             env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
             env["LOCAL_WORLD_SIZE"] = env["WORLD_SIZE"]  # all on this machine
@@ -118,7 +125,11 @@ class TensorParallel:
                 p = ctx.Process(target=_worker_main, args=({**env, "RANK": str(rank)}, job), daemon=True)
                 p.start()
                 self.workers.append(p)
-        dist.init_process_group(self.backend, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT)
+            self._wait_for_ranks(store)
+        elif os.environ.get("STAGEWISE_TP_WORKER") == "1":  # a rank that rank 0 started: check in
+            store = self._store(is_master=False)
+            store.set(f"stagewise/up/{self.rank}", "1")
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT)
         self._group = True
         # Two groups of the same ranks, for two kinds of waiting. The model's collectives give up
         # on a rank that died after a minute. The steps go over a gloo group of their own (vLLM's
@@ -126,6 +137,25 @@ class TensorParallel:
         # never touches a GPU.
         self.compute = dist.new_group(backend=self.backend, timeout=collective_timeout())
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+    def _store(self, is_master: bool) -> dist.TCPStore:
+        """The rendezvous store of a launch of our own: rank 0 serves it, the others connect."""
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.size,
+                             is_master=is_master, timeout=START_TIMEOUT, wait_for_workers=False)
+
+    def _wait_for_ranks(self, store: dist.TCPStore) -> None:
+        """Rank 0: wait until every rank it started has checked in, watching that they live."""
+        keys = [f"stagewise/up/{rank}" for rank in range(1, self.size)]
+        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            why = self.failure()
+            if why is None and time.monotonic() > deadline:
+                why = f"tensor parallel: the other ranks did not come up in {START_TIMEOUT}"
+            if why is not None:
+                self.abort(f"{why} before the group formed")
+                self.close()
+                raise RuntimeError(self.broken)
+            time.sleep(0.05)
 
     # ---- the collectives the model calls (identity at size 1) -------------------------------
 

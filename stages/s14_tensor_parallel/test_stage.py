@@ -238,6 +238,21 @@ def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_every_later_step(tp_tin
         engine.close()
 
 
+def test_a_rank_that_dies_on_its_way_up_is_an_error_at_once(tmp_path) -> None:
+    """A script without `if __name__ == "__main__":`: spawn runs it again in rank 1, which dies
+    starting ranks of its own. Rank 0 waited for it in the rendezvous for START_TIMEOUT (ten
+    minutes); it now watches the ranks it started while they check in."""
+    script = tmp_path / "no_main_guard.py"
+    script.write_text("import torch; torch.set_num_threads(1)\n"
+                      "from common.loader import load_model\n"
+                      "from stages import s14_tensor_parallel as s14\n"
+                      "s14.InferenceEngine(load_model('tiny', device='cpu'), max_batch_size=2, tensor_parallel_size=2)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "RuntimeError: tensor parallel: rank 1 died (exit code 1) before the group formed" in done.stderr
+
+
 def test_the_other_ranks_exit_when_rank_0_dies() -> None:
     """Rank 0 killed without closing: its rank waits in the step broadcast, sees the connection
     drop, and exits (it never runs on alone, holding its memory)."""
