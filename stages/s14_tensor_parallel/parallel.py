@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -94,8 +93,7 @@ class TensorParallel:
             if int(os.environ.get("WORLD_SIZE", 0)) != self.size:
                 raise ValueError(f"tensor_parallel_size {self.size}, but the launch has {os.environ.get('WORLD_SIZE')} ranks")
         else:  # rank 0 of its own launch: where the others will find it
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                              WORLD_SIZE=str(self.size))
+            os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE=str(self.size))  # the port: see _store
             self.rank = 0
         global _ACTIVE
         if _ACTIVE is not None:  # one group per process: a new engine ends the one before (a bench makes one a run)
@@ -139,9 +137,15 @@ class TensorParallel:
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
     def _store(self, is_master: bool) -> dist.TCPStore:
-        """The rendezvous store of a launch of our own: rank 0 serves it, the others connect."""
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.size,
-                             is_master=is_master, timeout=START_TIMEOUT, wait_for_workers=False)
+        """The rendezvous store of a launch of our own: rank 0 serves it on a port the system picks
+        (no window for another process to take it) and puts that in MASTER_PORT for the ranks it
+        starts; they connect to it."""
+        port = 0 if is_master else int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, self.size, is_master=is_master,
+                              timeout=START_TIMEOUT, wait_for_workers=False)
+        if is_master:
+            os.environ["MASTER_PORT"] = str(store.port)
+        return store
 
     def _wait_for_ranks(self, store: dist.TCPStore) -> None:
         """Rank 0: wait until every rank it started has checked in, watching that they live."""
@@ -242,6 +246,7 @@ class TensorParallel:
                     pass  # a rank died: there is nobody left to stop
             dist.destroy_process_group()
         self._group = False
+        self.compute = self.control = None  # they hold the rendezvous store (rank 0: its port) while referenced
         for p in self.workers:
             p.join(10)
             if p.is_alive():
@@ -263,12 +268,6 @@ def rank_device(device: str) -> str:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         return f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker_main(env: dict[str, str], job: dict) -> None:
