@@ -139,14 +139,13 @@ def stage_class(a: argparse.Namespace) -> tuple[str, Any, ModelConfig]:
     return package, importlib.import_module(package).InferenceEngine, ModelConfig.from_pretrained(model_dir(a.model))
 
 
-def stage_engine(a: argparse.Namespace, knobs: dict) -> tuple[str, Any, Any]:
-    """(stage package, loaded model, the stage's offline InferenceEngine with those of `knobs` it takes)."""
+def stage_engine(a: argparse.Namespace, engine_class: Any, knobs: dict) -> tuple[Any, Any]:
+    """(loaded model, the stage's offline InferenceEngine, from `stage_class`, with those of `knobs` it takes)."""
     from common.bench.flags import accepted
     from common.loader import load_model
 
-    package, engine_class, _ = stage_class(a)
     loaded = load_model(a.model, device=a.device, dtype=a.dtype)
-    return package, loaded, engine_class(loaded, **accepted(engine_class, knobs))
+    return loaded, engine_class(loaded, **accepted(engine_class, knobs))
 
 
 def has_knob(engine_class: Any, name: str) -> bool:
@@ -157,11 +156,11 @@ def decode_tokens(a: argparse.Namespace, engine_class: Any, config: ModelConfig)
     """How many tokens each request generates for the timed window; a ValueError where the
     prompt leaves them no room in the context window."""
     new_tokens = DecodeWindow.SKIP + a.steps + 2  # the window's last step ends where one more starts
-    if has_knob(engine_class, "max_num_batched_tokens"):  # chunked prefill (stage 11): the first prompts
-        # decode while the last are prefilled, so they need enough tokens to still be running when the
-        # whole batch decodes together. Their decode rows share each step's budget with the chunks:
-        # at most `batch` of it.
-        budget = int(inspect.signature(engine_class).parameters["max_num_batched_tokens"].default)
+    knob = inspect.signature(engine_class).parameters.get("max_num_batched_tokens")
+    if knob is not None:  # chunked prefill (stage 11): the first prompts decode while the last are
+        # prefilled, so they need enough tokens to still be running when the whole batch decodes
+        # together. Their decode rows share each step's budget with the chunks: at most `batch` of it.
+        budget = int(knob.default)
         if a.batch > budget:  # the engine's own rule: a step's decode rows alone must fit its budget
             raise ValueError(f"--batch {a.batch}: this stage's steps hold at most {budget} tokens "
                              f"(its max_num_batched_tokens), one per decode row")
@@ -294,9 +293,10 @@ def measure(a: argparse.Namespace) -> dict:
     from common.bench.workloads import model_token_range, random_token_ids
 
     machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
-    new_tokens = decode_tokens(a, *stage_class(a)[1:])  # before the weights load
-    package, loaded, engine = stage_engine(a, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,
-                                               "tensor_parallel_size": a.tensor_parallel_size})
+    package, engine_class, config = stage_class(a)
+    new_tokens = decode_tokens(a, engine_class, config)  # before the weights load
+    loaded, engine = stage_engine(a, engine_class, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,
+                                                    "tensor_parallel_size": a.tensor_parallel_size})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
     ids = [random_token_ids(rng, a.prompt_len, *model_token_range(vocab)) for _ in range(a.batch)]

@@ -116,8 +116,9 @@ def measure(a: argparse.Namespace) -> dict:
     if a.prompt_len > config.max_position_embeddings:  # the prompt would be cut to the window, and the report lie about it
         raise ValueError(f"--prompt-len {a.prompt_len} is longer than the model's context "
                          f"window ({config.max_position_embeddings} tokens)")
-    package, loaded, engine = stage_engine(a, {"max_batch_size": 1, "max_num_batched_tokens": a.max_num_batched_tokens,
-                                               "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
+    loaded, engine = stage_engine(a, engine_class, {"max_batch_size": 1,
+                                                    "max_num_batched_tokens": a.max_num_batched_tokens,
+                                                    "prefix_cache_max_entries": 0, "enable_prefix_caching": False})
     rng = random.Random(a.seed)
     vocab = loaded.model.lm_head_weight.shape[0]
 

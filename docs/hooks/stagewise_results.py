@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import operator
 import os
 import re
 import shlex
@@ -562,20 +563,16 @@ def render_bench_median(root: Path, args: str) -> str:
     return _figures([statistics.median(values)], unit)[0] + (f" {unit}" if unit else "")
 
 
-def _limit(word: str, quiet: bool = False) -> float | None:
-    """A finite number, or (quiet) None where the word is not one."""
+def _finite(word: str) -> float | None:
+    """The word as a finite number, or None."""
     try:
         value = float(word)
     except ValueError:
-        value = math.nan
-    if math.isfinite(value):
-        return value
-    if quiet:
         return None
-    raise DocsError(f"bench-count: {word!r} is not a finite number (or give 'PATH KEY')")
+    return value if math.isfinite(value) else None
 
 
-_COMPARE = {">": lambda a, b: a > b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+_COMPARE = {">": operator.gt, "<": operator.lt, ">=": operator.ge, "<=": operator.le}
 
 
 def render_bench_count(root: Path, args: str) -> str:
@@ -585,8 +582,10 @@ def render_bench_count(root: Path, args: str) -> str:
     parts = _words("bench-count", args)
     if len(parts) not in (4, 5) or parts[2] not in _COMPARE or ".*." not in parts[1]:
         raise DocsError(f"bench-count: expected 'PATH KEY.*.X {'|'.join(_COMPARE)} (NUMBER | PATH KEY)', got {args!r}")
-    limit = _limit(parts[3]) if len(parts) == 4 else None  # checked before any file is read
-    if len(parts) == 5 and _limit(parts[3], quiet=True) is not None:
+    limit = _finite(parts[3])  # checked before any file is read
+    if len(parts) == 4 and limit is None:
+        raise DocsError(f"bench-count: {parts[3]!r} is not a finite number (or give 'PATH KEY')")
+    if len(parts) == 5 and limit is not None:
         raise DocsError(f"bench-count: a number limit takes no fifth word, got {args!r}")
     data = load_result(root, parts[0])
     if data is None:
