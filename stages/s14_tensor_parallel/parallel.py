@@ -102,13 +102,30 @@ class TensorParallel:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
 
     def start(self, worker_job: dict | None) -> None:
-        """Start the other ranks (when launched alone) and form the group; they load, shard and follow."""
+        """Start the other ranks (when launched alone) and form the group; they load, shard and follow.
+        If the group does not form, the ranks this process started are stopped, the process is
+        left as it was (its threads, no group) and the error says which rank died, if one did."""
         if self.size == 1:
             return
+        try:
+            self._start(worker_job)
+        except BaseException as exc:
+            why = None
+            if self.broken is None:  # stop the ranks it started; say which one died, if one did
+                why = self.failure()
+                self.abort(f"{why} while the group formed" if why else
+                           f"tensor parallel: the group did not form ({type(exc).__name__}: {exc})")
+            self.close()
+            if why:
+                raise RuntimeError(self.broken) from exc
+            raise
+
+    def _start(self, worker_job: dict | None) -> None:
+        """start() without its clean-up: split the threads, start the ranks, form the groups."""
         if self.backend == "gloo":  # CPU ranks share this machine's cores: each takes its part of the threads
             self._threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self._threads // self.local_ranks))
-        store = None  # under torchrun: its environment's rendezvous (env://)
+        store, timeout = None, START_TIMEOUT  # under torchrun: its environment's rendezvous (env://)
         if not self.launched_by_torchrun:
             # Rank 0 holds the rendezvous store, and forms the group only once every rank it
             # started has checked in: a rank that dies on its way up (an import error; a script
@@ -124,10 +141,13 @@ class TensorParallel:
                 p.start()
                 self.workers.append(p)
             self._wait_for_ranks(store)
+            # Every rank is in, and it only has init_process_group left to run: a rank that dies
+            # now is a timeout of the collectives' length, not of START_TIMEOUT.
+            timeout = collective_timeout()
         elif os.environ.get("STAGEWISE_TP_WORKER") == "1":  # a rank that rank 0 started: check in
             store = self._store(is_master=False)
             store.set(f"stagewise/up/{self.rank}", "1")
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
         self._group = True
         # Two groups of the same ranks, for two kinds of waiting. The model's collectives give up
         # on a rank that died after a minute. The steps go over a gloo group of their own (vLLM's
@@ -156,8 +176,7 @@ class TensorParallel:
             if why is None and time.monotonic() > deadline:
                 why = f"tensor parallel: the other ranks did not come up in {START_TIMEOUT}"
             if why is not None:
-                self.abort(f"{why} before the group formed")
-                self.close()
+                self.abort(f"{why} before the group formed")  # start() closes
                 raise RuntimeError(self.broken)
             time.sleep(0.05)
 

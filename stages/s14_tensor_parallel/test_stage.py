@@ -286,3 +286,34 @@ def test_the_other_ranks_exit_when_rank_0_dies() -> None:
             pytest.fail("rank 1 outlived rank 0 by a minute")
     finally:
         rank0.kill()
+
+
+def test_a_rank_that_dies_while_the_group_forms_is_an_error_and_leaves_the_process_as_it_was(tmp_path) -> None:
+    """Rank 1 checks in, then dies inside init_process_group (the script makes it, in the child
+    only): rank 0, already inside init_process_group too, waited START_TIMEOUT (ten minutes);
+    now the collectives' timeout, and the error names the rank. The process gets its threads
+    back and holds no group, so the next engine starts as if nothing happened."""
+    script = tmp_path / "dies_in_init.py"
+    script.write_text("import os, torch\n"
+                      "if __name__ == '__mp_main__':  # spawn's name for this script in rank 1\n"
+                      "    import torch.distributed as dist\n"
+                      "    dist.init_process_group = lambda *a, **k: os._exit(3)\n"
+                      "if __name__ == '__main__':\n"
+                      "    import torch.distributed as dist\n"
+                      "    from common.loader import load_model\n"
+                      "    from stages import s14_tensor_parallel as s14\n"
+                      "    from stages.s14_tensor_parallel import parallel\n"
+                      "    torch.set_num_threads(2)\n"
+                      "    tiny = load_model('tiny', device='cpu')\n"
+                      "    try:\n"
+                      "        s14.InferenceEngine(tiny, max_batch_size=2, tensor_parallel_size=2)\n"
+                      "    except RuntimeError as e:\n"
+                      "        print('error:', e)\n"
+                      "    print('after:', torch.get_num_threads(), dist.is_initialized(), parallel._ACTIVE)\n"
+                      "    print('next:', s14.InferenceEngine(tiny, max_batch_size=2).generate([]) == [])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STAGEWISE_TP_TIMEOUT_S": "3"}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "error: tensor parallel: rank 1 died (exit code 3) while the group formed" in done.stdout
+    assert "after: 2 False None" in done.stdout
+    assert "next: True" in done.stdout
