@@ -69,7 +69,7 @@ class OnlineScheduler:
 
     def add_session(self, session: "InferenceSession", request_id: int | None = None,
                     submitted: float | None = None) -> int:
-        """Admit a prepared session: book its worst-case blocks and take its cached prefix; the
+        """Admit a prepared session: book its prompt's blocks and take its cached prefix; the
         prompt is prefilled by the coming steps, in chunks (its first token comes from the last)."""
         eng = self.engine
         if request_id is not None and request_id in self._sessions:
