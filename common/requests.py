@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
@@ -75,6 +75,9 @@ class SamplingParams:
         `params` would be dropped without a word."""
         if params is not None and sampling:
             raise ValueError(f"{', '.join(sorted(sampling))}: give sampling fields as params or as keywords, not both")
+        unknown = sorted(set(sampling) - {f.name for f in fields(cls)})
+        if unknown:  # max_tokens (the HTTP name) for max_new_tokens: a ValueError naming it, not a TypeError
+            raise ValueError(f"{', '.join(unknown)}: not a sampling field (they are {', '.join(f.name for f in fields(cls))})")
         return params if params is not None else cls(**sampling)
 
     def validate(self) -> None:

@@ -61,6 +61,12 @@ def test_params_and_keywords_together_are_refused_naming_the_keywords() -> None:
     assert SamplingParams.of(params, {}) is params
 
 
+def test_an_unknown_sampling_keyword_is_a_value_error_naming_it() -> None:
+    """add_request("Hi", max_tokens=5), the HTTP name, was a TypeError from the dataclass."""
+    with pytest.raises(ValueError, match="^max_tokens: not a sampling field .*max_new_tokens"):
+        SamplingParams.of(None, {"max_tokens": 5, "top_k": 2})
+
+
 @pytest.mark.parametrize("package", streaming_packages(), ids=registry.short_name)
 def test_params_and_keywords_together_fail_only_that_request(package, tiny) -> None:
     stage = registry.load_stage(package)

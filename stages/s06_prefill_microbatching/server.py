@@ -195,9 +195,11 @@ class SchedulerManager:
         self._waiting = []
         while len(batch) < self.scheduler.max_batch_size:
             try:
-                batch.append(self._pending.get_nowait())
+                p = self._pending.get_nowait()
             except queue.Empty:
                 break
+            if p.request_id in self._queues:  # else cancelled while the tokenizer had it: its handle has ended
+                batch.append(p)
         if not batch:
             return
         idle = not self.scheduler.has_unfinished()  # then only prefix-cache entries (evictable) hold blocks
