@@ -94,7 +94,7 @@ def test_a_lone_request_waits_no_longer_than_the_maximum(package, tiny):
 @pytest.mark.parametrize("field", ["max_queue_delay_ms", "queue_quiet_ms"])
 @pytest.mark.parametrize("value", [-1, float("inf")])  # inf: Event.wait would raise OverflowError in the worker
 def test_a_negative_or_endless_wait_is_refused_naming_the_field(package, field, value, tiny):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
         _manager(package, tiny, **{field: value})
 
 

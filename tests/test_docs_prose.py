@@ -51,4 +51,8 @@ def test_the_built_site_keeps_the_prose_targets(tmp_path: Path) -> None:
     import docs_check
 
     docs_check.build_site(tmp_path / "site")
+    pages = docs_prose.report(tmp_path / "site")
+    stage_pages = {p for p in pages if p.startswith("stages/")}
+    assert len(stage_pages) == len(list((ROOT / "docs" / "stages").glob("*.md")))  # every page was read,
+    assert all(pages[p][0] > 200 for p in stage_pages | {"serving/"})  # and its prose found
     assert docs_prose.over_targets(tmp_path / "site") == []

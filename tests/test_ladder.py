@@ -138,7 +138,7 @@ def test_stage_subset_parsing() -> None:
     assert ladder_rungs.parse_stages("1, 2,4") == [1, 2, 4]
     assert ladder_rungs.parse_stages("9,10") == [9, 10]  # the rungs the shared-prefix and long-prompts workloads compare
     assert ladder_rungs.parse_stages(None) == sorted(registry.STAGES)  # every stage, 01 to the newest
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^stage: no stage 42"):
         ladder_rungs.parse_stages("1,42")
 
 

@@ -115,7 +115,7 @@ def test_sampling_is_not_greedy(stage, tiny):
 )
 def test_bad_input_raises_value_error_naming_the_field(stage, tiny, field, request_):
     engine = stage_module(stage).InferenceEngine(tiny, max_batch_size=2)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):  # the message starts with the field
         engine.generate([Request(prompt="fine"), request_])
 
 

@@ -60,8 +60,8 @@ def test_bad_input_in_openai_shape(live, path: str, body: dict, status: int, par
 @pytest.mark.parametrize("body, param", [('{"prompt": "Hi \\ud800"}', "prompt"),
                                          ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages")])
 def test_a_lone_surrogate_is_a_400_not_a_crash(live, body: str, param: str) -> None:
-    """JSON's \\ud800 escape gives Python a string no tokenizer takes: the completion and /tokenize
-    answer the same 400, naming the field."""
+    """JSON's \\ud800 escape gives Python a string no tokenizer takes: /tokenize answers the 400
+    naming the field that the completion routes answer (test_serve.py)."""
     resp = httpx.post(live.url + "/tokenize", content=body.encode(), timeout=10)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param
     assert "not valid Unicode" in resp.json()["error"]["message"]

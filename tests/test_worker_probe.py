@@ -82,7 +82,9 @@ def test_stage_12_counts_each_kind_of_step(tmp_path: Path, capsys, tiny) -> None
     out = tmp_path / "probe.json"
     assert cli.main(["worker-probe", "--stage", "12", *BENCH, "--no-enforce-eager", "--json", str(out)]) == 0
     assert "steps through the graphs:" in capsys.readouterr().out
-    for run in json.loads(out.read_text())["worker"]["runs"]:
+    runs = json.loads(out.read_text())["worker"]["runs"]
+    assert runs
+    for run in runs:
         assert run["eager_steps"] >= 1 and run["graph_steps"] >= 1  # prompts come as chunks; then decode-only
         assert run["eager_steps"] + run["graph_steps"] == run["decode_steps"]
         assert all(isinstance(s["eager"], bool) for s in run["slowest"])

@@ -358,7 +358,7 @@ def test_bad_input_fails_only_that_request(tiny, hf_greedy):
         bad["kv"] = mgr.add_request(prompt_token_ids=prompts[1] * 6, max_new_tokens=2)  # 74 tokens > 64 slots
         good.append(mgr.add_request(prompt_token_ids=prompts[2], max_new_tokens=6))
         for field, h in bad.items():
-            with pytest.raises(ValueError, match=field):
+            with pytest.raises(ValueError, match=rf"^{field}\b"):
                 h.result(timeout=30)
         for h, p in zip(good, prompts):
             assert h.result(timeout=30).token_ids == hf_greedy(p, 6)
