@@ -75,9 +75,10 @@ class SamplingParams:
         `params` would be dropped without a word."""
         if params is not None and sampling:
             raise ValueError(f"{', '.join(sorted(sampling))}: give sampling fields as params or as keywords, not both")
-        unknown = sorted(set(sampling) - {f.name for f in fields(cls)})
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(sampling) - set(names))
         if unknown:  # max_tokens (the HTTP name) for max_new_tokens: a ValueError naming it, not a TypeError
-            raise ValueError(f"{', '.join(unknown)}: not a sampling field (they are {', '.join(f.name for f in fields(cls))})")
+            raise ValueError(f"{', '.join(unknown)}: not a sampling field (they are {', '.join(names)})")
         return params if params is not None else cls(**sampling)
 
     def validate(self) -> None:
