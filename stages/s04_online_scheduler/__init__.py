@@ -7,7 +7,8 @@ at once. `SchedulerManager` puts a worker thread in front of it: callers `add_re
 any thread and stream text back. Touches engine.py; adds scheduler.py and server.py.
 """
 
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks

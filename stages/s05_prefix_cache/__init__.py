@@ -7,14 +7,15 @@ each prompt's ref-counted KV blocks and last logits; `attach` hands them to a ne
 before writing into it. Touches engine.py and kv_cache.py; adds prefix_cache.py.
 """
 
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks
 from .prefix_cache import PrefixCache, PrefixCacheEntry, PrefixCacheKey
 
 # Files that differ from the previous stage.
-CHANGES: list[str] = ["__init__.py", "engine.py", "kv_cache.py", "prefix_cache.py", "test_stage.py"]
+CHANGES: list[str] = ["__init__.py", "engine.py", "kv_cache.py", "prefix_cache.py", "session.py", "test_stage.py"]
 
 # Default workload of this stage's benchmark (flags override): the same long prompt, again and
 # again — every request after the first is a prefix-cache hit.

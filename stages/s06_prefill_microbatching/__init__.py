@@ -8,7 +8,8 @@ pending requests per iteration into one `add_requests` call. Touches engine.py,
 attention.py, scheduler.py and server.py.
 """
 
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineRequest, OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks

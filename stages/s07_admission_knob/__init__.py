@@ -7,7 +7,8 @@ decouples the two (post 030): None keeps the old behaviour; 32 admits a burst of
 batched prefill while decode still runs 8 at a time. Touches server.py.
 """
 
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineRequest, OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks

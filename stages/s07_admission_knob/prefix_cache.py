@@ -21,7 +21,7 @@ from common.requests import int_knob
 from .kv_cache import KVBlockPool
 
 if TYPE_CHECKING:
-    from .engine import InferenceSession
+    from .session import InferenceSession
 
 PrefixCacheKey = str
 

@@ -7,7 +7,8 @@ tuple[int, ...]`: a request carrying token ids is keyed by the tuple of its last
 in-batch dedup all use that key (post 004). Touches engine.py and prefix_cache.py.
 """
 
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineRequest, OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks

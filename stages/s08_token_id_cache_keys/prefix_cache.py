@@ -22,7 +22,7 @@ from common.requests import int_knob
 from .kv_cache import KVBlockPool
 
 if TYPE_CHECKING:
-    from .engine import InferenceSession
+    from .session import InferenceSession
 
 # Token ids when the request has them (text may differ while the ids are equal), else the text.
 PrefixCacheKey = str | tuple[int, ...]

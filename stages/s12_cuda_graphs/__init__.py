@@ -11,7 +11,8 @@ past the source posts. Touches cuda_graphs.py (new), engine.py, kv_cache.py.
 """
 
 from .cuda_graphs import DecodeGraphs
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineRequest, OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks

@@ -20,7 +20,8 @@ import torch
 from common.requests import Completion, Request, SamplingParams, int_knob, prepare_prompt
 
 if TYPE_CHECKING:
-    from .engine import InferenceEngine, InferenceSession
+    from .engine import InferenceEngine
+    from .session import InferenceSession
 
 
 @dataclass

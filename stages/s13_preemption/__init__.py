@@ -12,14 +12,15 @@ scheduler.py, server.py.
 """
 
 from .cuda_graphs import DecodeGraphs
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineRequest, OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks
 from .prefix_cache import BlockKey, PrefixCache, block_keys
 
 # Files that differ from the previous stage.
-CHANGES: list[str] = ["__init__.py", "engine.py", "kv_cache.py", "scheduler.py", "server.py", "test_stage.py"]
+CHANGES: list[str] = ["__init__.py", "engine.py", "kv_cache.py", "scheduler.py", "server.py", "session.py", "test_stage.py"]
 
 # Default workload of this stage's benchmark (flags override): 64 different chat questions that
 # may each take 512 tokens; SmolLM2 answers and stops at EOS far sooner. The KV pool holds 8 of

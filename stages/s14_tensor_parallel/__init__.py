@@ -11,7 +11,8 @@ At size 1 it is stage 13. Touches cuda_graphs.py, engine.py, parallel.py and sha
 """
 
 from .cuda_graphs import DecodeGraphs
-from .engine import InferenceEngine, InferenceSession
+from .engine import InferenceEngine
+from .session import InferenceSession
 from .scheduler import OnlineRequest, OnlineScheduler
 from .server import RequestHandle, SchedulerManager, StreamChunk
 from .kv_cache import BlockAllocator, KVBlockPool, OutOfKVBlocks

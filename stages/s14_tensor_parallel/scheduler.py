@@ -24,7 +24,8 @@ from common.requests import Completion, Request, SamplingParams, int_knob, prepa
 from .kv_cache import OutOfKVBlocks
 
 if TYPE_CHECKING:
-    from .engine import InferenceEngine, InferenceSession
+    from .engine import InferenceEngine
+    from .session import InferenceSession
 
 
 @dataclass
