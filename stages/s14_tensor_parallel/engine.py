@@ -154,12 +154,16 @@ class InferenceEngine:
 
     def close(self) -> None:
         """Give the graphs and their memory pool back (the engine still runs, eagerly), and end
-        the other ranks of a tensor-parallel engine (it does not run after that)."""
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
+        the other ranks of a tensor-parallel engine (it does not run after that).
+
+        Both wait for a running step: a graph freed under its replay, or a collective started
+        beside it, would break it. A step that outlasts CLOSE_WAIT_S keeps its graphs (they go
+        with the engine) and has its ranks stopped under it."""
         if self._step_lock.acquire(timeout=CLOSE_WAIT_S):
             try:
+                if self.graphs is not None:
+                    self.graphs.close()
+                    self.graphs = None
                 self.tp.close()
             finally:
                 self._step_lock.release()
@@ -367,7 +371,7 @@ class InferenceEngine:
         ranks first (tensor parallel), then run here."""
         B = len(decode)
         ids: list[int] = [s.generated[-1] for s in decode]
-        graphs = self.graphs  # read once: close() may drop them (it belongs after the manager's close)
+        graphs = self.graphs  # read once: close() drops them, though only between steps (it waits for _step_lock)
         step = Step(ids, torch.empty(0, dtype=torch.long, device=self.device), list(range(B)), B,
                     graph=bool(decode) and not chunks and graphs is not None and graphs.fits(B))
         if step.graph:
