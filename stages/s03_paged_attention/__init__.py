@@ -4,7 +4,7 @@ Stage 02 reserved a contiguous `[B, longest + max_new]` cache per batch, so shor
 for the longest one. Here each request is an `InferenceSession` owning a block table into a
 shared `KVBlockPool`; it takes a block only when its last one is full, and decode copies each
 session's blocks into one reused buffer and calls SDPA once per layer. Still static batching.
-Touches engine.py, attention.py and kv_cache.py.
+Touches engine.py, attention.py and kv_cache.py; adds session.py.
 """
 
 from .engine import InferenceEngine

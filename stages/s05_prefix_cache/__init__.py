@@ -4,7 +4,7 @@ Stage 04 prefilled every request, even the hundredth copy of the same system pro
 `PrefixCache` (an LRU keyed by the prompt string, at most `prefix_cache_max_entries`) keeps
 each prompt's ref-counted KV blocks and last logits; `attach` hands them to a new session
 (no forward pass) and `put` stores them after a prefill. A session copies a shared block
-before writing into it. Touches engine.py and kv_cache.py; adds prefix_cache.py.
+before writing into it. Touches engine.py, kv_cache.py and session.py; adds prefix_cache.py.
 """
 
 from .engine import InferenceEngine

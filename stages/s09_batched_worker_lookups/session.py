@@ -1,8 +1,9 @@
 """InferenceSession: one request's state between steps: its tokens, its sampling state, and the
 KV blocks it owns (its block table).
 
-The engine (engine.py) makes one per request and runs forwards over them; a session only keeps
-its own account, block by block, of where its K/V live.
+The engine (engine.py) makes one per request and runs the forwards over them. A session takes
+its blocks from the shared pool as its tokens need them and gives them back when it ends,
+keeping its row of the pool's device block tables in step with its own list.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ prompt takes the longest run of leading blocks the pool still holds and prefills
 rest. Cached blocks nobody uses stay in the pool as evictable (LRU) until new data needs
 them. The prefill packs every prompt's uncached tokens into one row, each attending to its
 cached blocks. This goes past the source posts. Touches kv_cache.py, prefix_cache.py,
-attention.py, engine.py.
+attention.py, engine.py, session.py.
 """
 
 from .engine import InferenceEngine

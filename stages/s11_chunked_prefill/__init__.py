@@ -6,7 +6,7 @@ how many prompts, not how many tokens). Now admission only books blocks and queu
 prompt; every step packs one token per decoding session and then chunks of waiting prompts,
 in arrival order, up to `max_num_batched_tokens` (vLLM's name), into one forward. A long
 prompt takes several steps while the streams keep moving. This goes past the source posts.
-Touches attention.py, engine.py, scheduler.py, server.py.
+Touches attention.py, engine.py, scheduler.py, server.py, session.py.
 """
 
 from .engine import InferenceEngine

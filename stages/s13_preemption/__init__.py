@@ -8,7 +8,7 @@ pool runs dry the most recently admitted request is preempted: its blocks go bac
 ones into the prefix cache), its tokens stay, and it is prefilled again over prompt +
 generated tokens once there is room, token for token as if it had never stopped. This is
 paging's own payoff (vLLM's recompute preemption). Touches engine.py, kv_cache.py,
-scheduler.py, server.py.
+scheduler.py, server.py, session.py.
 """
 
 from .cuda_graphs import DecodeGraphs

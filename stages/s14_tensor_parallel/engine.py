@@ -371,13 +371,7 @@ class InferenceEngine:
         ranks first (tensor parallel), then run here."""
         B = len(decode)
         ids: list[int] = [s.generated[-1] for s in decode]
-        graphs = self.graphs  # read once: close() drops them, though only between steps (it waits for _step_lock)
-        step = Step(ids, torch.empty(0, dtype=torch.long, device=self.device), list(range(B)), B,
-                    graph=bool(decode) and not chunks and graphs is not None and graphs.fits(B))
-        if step.graph:
-            self.graph_steps += 1
-        else:
-            self.eager_steps += 1
+        step = Step(ids, torch.empty(0, dtype=torch.long, device=self.device), list(range(B)), B)
         if decode:
             rows, new_pos, new_slots, nb = self._decode_inputs(decode)
             tables = self.pool.tables
@@ -394,6 +388,12 @@ class InferenceEngine:
             step.prefill = (torch.cat(slots), spans, [s.block_table for s, _ in chunks])
             step.positions = torch.cat([step.positions, to_device(positions, torch.long, self.device)])  # [B + sum n]
         with self._step_lock:
+            graphs = self.graphs  # read under the lock: close() drops them only between steps
+            step.graph = bool(decode) and not chunks and graphs is not None and graphs.fits(B)
+            if step.graph:
+                self.graph_steps += 1
+            else:
+                self.eager_steps += 1
             if self.tp.size == 1:
                 return self._execute(step, graphs)  # [B + M, V]
             self.tp.send(step.cpu())

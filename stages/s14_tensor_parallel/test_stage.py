@@ -219,49 +219,59 @@ def test_an_idle_engine_outlives_the_collectives_timeout(tp_tiny, monkeypatch) -
 
 def test_close_frees_the_decode_graphs_only_between_steps(tiny, monkeypatch) -> None:
     """A CUDA graph freed under its replay breaks the step replaying it. close() waits for a
-    running step before it drops the graphs; a step that outlasts CLOSE_WAIT_S keeps them. (On a
-    CPU, enforce_eager=False builds the graphs' object and runs their padded path: every line but
-    the capture and replay.)"""
+    running step before it drops the graphs; a step that outlasts CLOSE_WAIT_S keeps them. Either
+    way the step ends with the tokens of an eager run. (On a CPU, enforce_eager=False builds the
+    graphs' object and runs their padded path: every line but the capture and replay.)"""
     import threading
 
     import stages.s14_tensor_parallel.engine as s14_engine
 
-    engine = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=False)
-    execute, graphs, freed_mid_step = engine._execute, engine.graphs, []
-    inside, release, done = threading.Event(), threading.Event(), threading.Event()
-    close_graphs = graphs.close
-
-    def held_step(step, g):  # the first step stops inside, as a long replay would
-        engine._execute = execute
-        inside.set()
-        release.wait(30)
-        try:
-            return execute(step, g)
-        finally:
-            done.set()
-
-    def record_close():
-        freed_mid_step.append(inside.is_set() and not done.is_set())
-        close_graphs()
-
-    graphs.close = record_close
+    prompt = [_ids(5, seed=6)]
+    eager = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=True)
+    try:
+        want = _generate(eager, prompt, 3)
+    finally:
+        eager.close()
     for wait_s, kept in ((0.2, True), (30.0, False)):  # the step outlasts the wait; it ends in time
         monkeypatch.setattr(s14_engine, "CLOSE_WAIT_S", wait_s)
-        engine._execute = held_step
-        inside.clear(), release.clear(), done.clear()
-        worker = threading.Thread(target=_generate, args=(engine, [_ids(5, seed=6)], 3))
-        worker.start()
-        assert inside.wait(30)
+        engine = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=False)
+        execute, graphs, close_graphs = engine._execute, engine.graphs, engine.graphs.close
+        inside, release, done = threading.Event(), threading.Event(), threading.Event()
+        freed_mid_step, got = [], []
+
+        def held_step(step, g, execute=execute, inside=inside, release=release, done=done, engine=engine):
+            if not step.graph:  # the prefill
+                return execute(step, g)
+            engine._execute = execute  # the first graph step stops inside, as a long replay would
+            inside.set()
+            release.wait(30)
+            try:
+                return execute(step, g)
+            finally:
+                done.set()
+
+        def record_close(done=done, freed_mid_step=freed_mid_step, close_graphs=close_graphs):
+            freed_mid_step.append(not done.is_set())
+            close_graphs()
+
+        graphs.close, engine._execute = record_close, held_step
+        worker = threading.Thread(target=lambda: got.append(_generate(engine, prompt, 3)))
         closer = threading.Thread(target=engine.close)
-        closer.start()
-        closer.join(5 if kept else 0.5)  # gave up waiting; still waits
-        assert freed_mid_step == [] and engine.graphs is graphs  # not under the running step
-        release.set()
-        closer.join(30), worker.join(30)
-        assert not closer.is_alive() and not worker.is_alive()
-        assert (engine.graphs is graphs) is kept
-        assert freed_mid_step == ([] if kept else [False])  # freed once, after the step
-        freed_mid_step.clear()
+        worker.start()
+        try:
+            assert inside.wait(30)
+            closer.start()
+            closer.join(30 if kept else 0.5)  # it gave up after wait_s; it still waits
+            assert closer.is_alive() is not kept
+            assert freed_mid_step == [] and engine.graphs is graphs  # nothing freed under the step
+        finally:
+            release.set()
+            worker.join(30)
+            if closer.ident is not None:
+                closer.join(30)
+        assert got == [want]
+        assert (engine.graphs is graphs) is kept and freed_mid_step == ([] if kept else [False])
+        engine.close()
 
 
 def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_every_later_step(tp_tiny) -> None:
