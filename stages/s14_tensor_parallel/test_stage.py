@@ -217,7 +217,8 @@ def test_an_idle_engine_outlives_the_collectives_timeout(tp_tiny, monkeypatch) -
         engine.close()
 
 
-def test_close_frees_the_decode_graphs_only_between_steps(tiny, monkeypatch) -> None:
+@pytest.mark.parametrize("wait_s,kept", [(0.2, True), (30.0, False)], ids=["step-outlasts-the-wait", "step-ends-in-time"])
+def test_close_frees_the_decode_graphs_only_between_steps(tiny, monkeypatch, wait_s, kept) -> None:
     """A CUDA graph freed under its replay breaks the step replaying it. close() waits for a
     running step before it drops the graphs; a step that outlasts CLOSE_WAIT_S keeps them. Either
     way the step ends with the tokens of an eager run. (On a CPU, enforce_eager=False builds the
@@ -232,46 +233,45 @@ def test_close_frees_the_decode_graphs_only_between_steps(tiny, monkeypatch) -> 
         want = _generate(eager, prompt, 3)
     finally:
         eager.close()
-    for wait_s, kept in ((0.2, True), (30.0, False)):  # the step outlasts the wait; it ends in time
-        monkeypatch.setattr(s14_engine, "CLOSE_WAIT_S", wait_s)
-        engine = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=False)
-        execute, graphs, close_graphs = engine._execute, engine.graphs, engine.graphs.close
-        inside, release, done = threading.Event(), threading.Event(), threading.Event()
-        freed_mid_step, got = [], []
+    monkeypatch.setattr(s14_engine, "CLOSE_WAIT_S", wait_s)
+    engine = s14.InferenceEngine(tiny, max_batch_size=2, block_size=BS, enforce_eager=False)
+    execute, graphs, close_graphs = engine._execute, engine.graphs, engine.graphs.close
+    inside, release, done = threading.Event(), threading.Event(), threading.Event()
+    freed_mid_step, got = [], []
 
-        def held_step(step, g, execute=execute, inside=inside, release=release, done=done, engine=engine):
-            if not step.graph:  # the prefill
-                return execute(step, g)
-            engine._execute = execute  # the first graph step stops inside, as a long replay would
-            inside.set()
-            release.wait(30)
-            try:
-                return execute(step, g)
-            finally:
-                done.set()
-
-        def record_close(done=done, freed_mid_step=freed_mid_step, close_graphs=close_graphs):
-            freed_mid_step.append(not done.is_set())
-            close_graphs()
-
-        graphs.close, engine._execute = record_close, held_step
-        worker = threading.Thread(target=lambda: got.append(_generate(engine, prompt, 3)))
-        closer = threading.Thread(target=engine.close)
-        worker.start()
+    def held_step(step, g):
+        if not step.graph:  # the prefill
+            return execute(step, g)
+        engine._execute = execute  # the first graph step stops inside, as a long replay would
+        inside.set()
+        release.wait(30)
         try:
-            assert inside.wait(30)
-            closer.start()
-            closer.join(30 if kept else 0.5)  # it gave up after wait_s; it still waits
-            assert closer.is_alive() is not kept
-            assert freed_mid_step == [] and engine.graphs is graphs  # nothing freed under the step
+            return execute(step, g)
         finally:
-            release.set()
-            worker.join(30)
-            if closer.ident is not None:
-                closer.join(30)
-        assert got == [want]
-        assert (engine.graphs is graphs) is kept and freed_mid_step == ([] if kept else [False])
-        engine.close()
+            done.set()
+
+    def record_close():
+        freed_mid_step.append(not done.is_set())
+        close_graphs()
+
+    graphs.close, engine._execute = record_close, held_step
+    worker = threading.Thread(target=lambda: got.append(_generate(engine, prompt, 3)))
+    closer = threading.Thread(target=engine.close)
+    worker.start()
+    try:
+        assert inside.wait(30)
+        closer.start()
+        closer.join(30 if kept else 0.5)  # it gave up after wait_s; it still waits
+        assert closer.is_alive() is not kept
+        assert freed_mid_step == [] and engine.graphs is graphs  # nothing freed under the step
+    finally:
+        release.set()
+        worker.join(30)
+        if closer.ident is not None:
+            closer.join(30)
+    assert got == [want]
+    assert (engine.graphs is graphs) is kept and freed_mid_step == ([] if kept else [False])
+    engine.close()
 
 
 def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_every_later_step(tp_tiny) -> None:
