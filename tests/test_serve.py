@@ -22,11 +22,13 @@ import httpx
 import openai
 import pytest
 
+from common import stages as registry
+from common.serve.app import ServeState
 from common.serve.protocol import StopMatcher, choice, envelope, sse, text_event
 from common.bench.spawn import child_env
 from common.serve.transport import bind_socket
 from conftest import TEST_DEVICE
-from tests.live_server import LiveServer, in_process_texts, wait_for as _wait
+from tests.live_server import LiveServer, ServerThread, in_process_texts, wait_for as _wait
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time"]
@@ -272,6 +274,30 @@ def test_a_prompt_the_kv_pool_can_never_hold_is_a_400(loaded) -> None:
         with pytest.raises(openai.BadRequestError, match="kv cache"):  # a stream too: no 200 before a token
             server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4, stream=True)
         assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # it goes on
+    finally:
+        server.stop()
+
+
+def test_a_request_that_outgrows_the_kv_pool_is_a_400_naming_max_tokens(loaded) -> None:
+    """From stage 13 on a request books only its prompt's blocks, so one can grow past the whole pool
+    while it runs: it ends with a 400 whose `param` is the request's own max-tokens field (what the
+    client can lower), and the server goes on."""
+    stage = registry.load_stage(13)
+    engine = stage.InferenceEngine(loaded, max_batch_size=2, block_size=4, num_kv_blocks=12)  # 48 tokens in all
+    server = ServerThread(ServeState(stage.SchedulerManager(engine, max_batch_size=2), "tiny", "s13"))
+    try:
+        grows = dict(max_tokens=60, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client.completions.create(model="tiny", prompt=[1000, 1001, 1002], **grows)
+        assert (err.value.param, err.value.code) == ("max_tokens", "invalid_value")
+        message = err.value.body["message"]
+        assert message.startswith("max_tokens: request") and "past the whole KV pool" in message
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_completion_tokens=60, extra_body={"ignore_eos": True})
+        assert err.value.param == "max_completion_tokens"
+        assert server.client.completions.create(model="tiny", prompt=[1000], max_tokens=2).choices  # it goes on
+        assert _wait(lambda: server.blocks_in_use() == 0)
     finally:
         server.stop()
 

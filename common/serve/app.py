@@ -138,11 +138,14 @@ def _api_error(exc: BaseException, req: ParsedRequest) -> APIError:
     if isinstance(exc, ContextLengthExceeded):  # OpenAI's code for it, and the request's own field name
         name = req.prompt_field if exc.field == "prompt" else req.max_tokens_field
         return APIError(400, f"{name} {exc.detail}", param=name, code="context_length_exceeded")
-    if isinstance(exc, ValueError):  # bad input only the engine sees (a prompt the KV pool can never hold, or not text)
+    # Bad input only the engine sees: a prompt the KV pool can never hold (or not text), a request that
+    # grew past the whole pool (it asked for more tokens than the pool holds). The message starts with
+    # our field's name; the answer names the request's own (`messages` for a chat, `max_completion_tokens`).
+    if isinstance(exc, ValueError):
         text = str(exc)
-        if text.startswith("prompt"):  # named as the request names it: `messages` for a chat
-            name = req.prompt_field
-            return APIError(400, name + text[len("prompt"):], param=name, code="invalid_value")
+        for field, name in (("prompt", req.prompt_field), ("max_new_tokens", req.max_tokens_field)):
+            if text.startswith(field):
+                return APIError(400, name + text[len(field):], param=name, code="invalid_value")
         return APIError(400, text, code="invalid_value")
     return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
 

@@ -186,7 +186,7 @@ def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny, hf_
     engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=4, enforce_eager=False)
     with pytest.raises(ValueError, match="prompt needs 5 KV blocks"):
         _run(engine, [_ids(16, seed=1)], [4])  # 16 + 1 tokens: 5 blocks of 4
-    with pytest.raises(ValueError, match="past the whole pool"):
+    with pytest.raises(ValueError, match="max_new_tokens: request .* past the whole KV pool"):
         _run(engine, [_ids(3, seed=2), _ids(2, seed=5)], [40, 3])  # the first outgrows 16 tokens alone
     _all_free(engine)  # the other request's blocks went back too: the engine serves the next call whole
     assert _run(engine, [_ids(2, seed=5)], [3]) == [hf_greedy(_ids(2, seed=5), 3)]
@@ -194,7 +194,7 @@ def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny, hf_
         prompt = _ids(3, seed=3)
         grows = mgr.add_request(prompt_token_ids=prompt, max_new_tokens=40, stop_on_eos=False)
         streamed = []
-        with pytest.raises(ValueError, match="past the whole pool"):
+        with pytest.raises(ValueError, match="max_new_tokens: request .* past the whole KV pool"):
             for chunk in grows:
                 streamed += chunk.token_ids
         assert streamed == hf_greedy(prompt, 14)  # every token it made (16 - 3 cached, +1) before the pool ran out, none held back

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .engine import InferenceEngine
     from .session import InferenceSession
 
+# A request that outgrows the pool was allowed too many new tokens for it: the error names that field.
+OUTGROWN = "lower max_new_tokens or raise num_kv_blocks"
+
 
 @dataclass
 class OnlineRequest(Request):
@@ -210,8 +213,8 @@ class OnlineScheduler:
             if len(victims) == 1:
                 tokens = victim.num_cached + 1
                 self._fail(rid, ValueError(
-                    f"kv cache: request {rid} grew to {tokens} tokens, past the whole pool of "
-                    f"{alloc.num_blocks} blocks of {self.engine.pool.block_size}; raise num_kv_blocks"))
+                    f"max_new_tokens: request {rid} grew to {tokens} tokens, past the whole KV pool of "
+                    f"{alloc.num_blocks} blocks of {self.engine.pool.block_size}; {OUTGROWN}"))
             else:
                 self.engine.preempt(victim)
                 self._preempted.insert(0, rid)
@@ -229,7 +232,8 @@ class OnlineScheduler:
             running = sum(self._running(s) for s in self._sessions.values())
             if self.engine.blocks_for(session.prefill_target + 1) > self.engine.pool.allocator.num_blocks:
                 self._preempted.pop(0)  # it cannot come back even alone
-                self._fail(rid, ValueError(f"kv cache: request {rid} needs more than the whole pool to continue"))
+                self._fail(rid, ValueError(
+                    f"max_new_tokens: request {rid} needs more than the whole KV pool to continue; {OUTGROWN}"))
                 continue
             try:
                 self.engine.reserve(session, headroom=running)
@@ -237,7 +241,8 @@ class OnlineScheduler:
                 if running:
                     return  # it waits for running sessions to finish
                 self._preempted.pop(0)  # nothing runs, and it still does not fit
-                self._fail(rid, ValueError(f"kv cache: request {rid} does not fit in the KV pool to continue"))
+                self._fail(rid, ValueError(
+                    f"max_new_tokens: request {rid} does not fit in the KV pool to continue; {OUTGROWN}"))
                 continue
             self._preempted.pop(0)
             session.preempted = False
