@@ -292,6 +292,7 @@ def test_a_request_that_outgrows_the_kv_pool_is_a_400_naming_max_tokens(loaded) 
         assert (err.value.param, err.value.code) == ("max_tokens", "invalid_value")
         message = err.value.body["message"]
         assert message.startswith("max_tokens: request") and "past the whole KV pool" in message
+        assert "max_new_tokens" not in message  # only the request's own name for the field
         with pytest.raises(openai.BadRequestError) as err:
             server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                   max_completion_tokens=60, extra_body={"ignore_eos": True})

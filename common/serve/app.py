@@ -135,15 +135,17 @@ def _wake_on_put(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
 def _api_error(exc: BaseException, req: ParsedRequest) -> APIError:
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ContextLengthExceeded):  # OpenAI's code for it, and the request's own field name
-        name = req.prompt_field if exc.field == "prompt" else req.max_tokens_field
+    # The engine names our fields; the answer names the request's own (`messages` for a chat, `max_completion_tokens`).
+    names = {"prompt": req.prompt_field, "max_new_tokens": req.max_tokens_field}
+    if isinstance(exc, ContextLengthExceeded):  # OpenAI's code for it
+        name = names[exc.field]
         return APIError(400, f"{name} {exc.detail}", param=name, code="context_length_exceeded")
     # Bad input only the engine sees: a prompt the KV pool can never hold (or not text), a request that
     # grew past the whole pool (it asked for more tokens than the pool holds). The message starts with
-    # our field's name; the answer names the request's own (`messages` for a chat, `max_completion_tokens`).
+    # the field's name.
     if isinstance(exc, ValueError):
         text = str(exc)
-        for field, name in (("prompt", req.prompt_field), ("max_new_tokens", req.max_tokens_field)):
+        for field, name in names.items():
             if text.startswith(field):
                 return APIError(400, name + text[len(field):], param=name, code="invalid_value")
         return APIError(400, text, code="invalid_value")

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from .engine import InferenceEngine
     from .session import InferenceSession
 
-# A request that outgrows the pool was allowed too many new tokens for it: the error names that field.
-OUTGROWN = "lower max_new_tokens or raise num_kv_blocks"
+# A request that outgrows the pool was allowed too many new tokens for it: the error starts with that
+# field's name (a server puts the request's own name there, max_tokens), and says what to do.
+OUTGROWN = "lower it or raise num_kv_blocks"
 
 
 @dataclass
