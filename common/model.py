@@ -11,6 +11,10 @@ concatenated into one weight so each is a single matmul; GPT-2's Conv1D weights 
 [in, out]) are transposed once so every projection is a plain linear; and on a CPU in fp32 each
 weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x faster than
 `F.linear` there for decode-sized inputs).
+
+One run-time choice too: our forwards keep SDPA off its cuDNN backend (`sdpa_backends`). On a
+GPU cuDNN builds a plan for every new shape, and an engine's eager steps bring new shapes all
+the time: the batch grows, the gathered K/V widens, a prompt chunk has its own length.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig
 from .linear import linear, pack
@@ -191,6 +196,14 @@ class GPT2Block(nn.Module, Projections):
 class DecoderModel(nn.Module):
     """A decoder-only LM (Llama family or GPT-2) whose attention is supplied by the caller."""
 
+    # The SDPA backends a forward may pick from: all but cuDNN's (a CUDA one; on a CPU this is
+    # the default set). cuDNN plans each new shape once, slowly: on an H200, stage 13's eager
+    # steps took 225 ms with it and 38 without, and stage 09's TPOT under post 052's load was
+    # 23.3 ms against 8.9 (docs/results/cuda/worker-probe.*). vLLM, SGLang and nano-vllm do not
+    # use it either: they bring their own attention kernels.
+    sdpa_backends: tuple[SDPBackend, ...] = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                             SDPBackend.MATH)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -248,14 +261,16 @@ class DecoderModel(nn.Module):
         logits_indices: Tensor | None = None,  # [B]: per row, which t to keep
     ) -> Tensor:  # [B, T, V], or [B, V] with logits_indices
         x = self.embed_tokens(input_ids)  # [B, T, E]
-        if self.config.arch == "gpt2":
-            x = x + self.embed_positions(positions)
-            for layer in self.layers:
-                x = layer(x, attention)
-        else:
-            cos, sin = self.rope_cos_sin(positions, x.dtype)
-            for layer in self.layers:
-                x = layer(x, cos, sin, attention)
+        # torch's flags, set for this forward and restored; process-wide, so one engine forwards at a time
+        with sdpa_kernel(list(self.sdpa_backends)):
+            if self.config.arch == "gpt2":
+                x = x + self.embed_positions(positions)
+                for layer in self.layers:
+                    x = layer(x, attention)
+            else:
+                cos, sin = self.rope_cos_sin(positions, x.dtype)
+                for layer in self.layers:
+                    x = layer(x, cos, sin, attention)
         if logits_indices is not None:
             # Only the rows we sample from pay for the norm and the (large) vocab projection.
             x = x[torch.arange(x.shape[0], device=x.device), logits_indices]  # [B, E]

@@ -70,15 +70,28 @@ RERUN="$PY scripts/rerun_results.py --like cpu --device $DEVICE"
 PYTEST="$PY -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=10"
 G2=gpt2-random
 
-# Item 1: the newest stage, proven on the GPU first. Stage 12 (CUDA graphs): its tests and the
-# CUDA ones (capture, replay equal to eager in fp32, one sync a step, memory back on close()),
-# then stage 12 against stage 11 in the same call: decode steps at batch 64, 16 and 1 (the
-# ladder's entries keep each engine's kv_stats: graphs, capture time, pool bytes), fp32 tokens
-# against transformers, a decode profile (kernel time against the step), post 052's shape, and
-# the 32x16 random-lengths ladder with transformers.
+# Item 1: the newest stages, proven on the GPU first. Stage 12 (CUDA graphs): its tests and the
+# CUDA ones (capture, replay equal to eager in fp32, one sync a step, memory back on close()).
 step tests-s12-s13 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     stages/s12_cuda_graphs/test_stage.py stages/s13_preemption/test_stage.py tests/test_cuda.py \
     -k "s11 or s12 or s13 or stage12 or profiles or preempt or pool or admission or stream or cancel"
+# Item 2: where the worker's time goes under post 052's load, for the newest stage and stage 09.
+# At 3916404 SDPA's cuDNN backend built a plan for each new shape: stage 14's eager steps took
+# 80 ms each, three quarters of its decode time, and with cuDNN off stage 09's TPOT p50 fell from
+# 23.3 to 8.9 ms. Our forwards leave cuDNN out since (DecoderModel.sdpa_backends): these two
+# probes measure that, and every bf16 result after them is measured again for the same reason.
+step probe-s14-$G2 - 60 $PY -m common.cli worker-probe --stage 14 --preset post-052 --model $G2 --device $DEVICE \
+    --json $RESULTS/worker-probe.s14_tensor_parallel.post-052.$G2.$DEVICE.json
+step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
+    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
+# Stage 12 against stage 11 on gpt2-random: a decode profile (kernel time against the step),
+# post 052's shape, decode steps at batch 64, 16 and 1 (the ladder's entries keep each engine's
+# kv_stats: graphs, capture time, pool bytes), fp32 tokens against transformers, and the 32x16
+# random-lengths ladder with transformers.
+step profile-s12_cuda_graphs-$G2 - 60 $PY -m common.cli profile-decode --stage 12 --model $G2 --device $DEVICE \
+    --batch 64 --prompt-len 64 --steps 20 --json $RESULTS/profile.s12_cuda_graphs.b64.$G2.$DEVICE.json
+step make-bench-s12-vs-s11-$G2 - 120 $PY -m stages.s12_cuda_graphs.bench --preset post-052 --compare --model $G2 \
+    --device $DEVICE --json $RESULTS/make-bench.s12_cuda_graphs.$G2.$DEVICE.json
 for b in 64 16 1; do
     step ladder-decode-step-b$b-s11-s12-$G2 - 90 $PY -m common.cli ladder --workload decode-step --stages 11,12 --no-hf \
         --num-requests $b --max-batch-size $b --model $G2 --device $DEVICE --rounds 1 --repeat-runs 2 \
@@ -86,39 +99,21 @@ for b in 64 16 1; do
 done
 step parity-s11-s12-fp32-$G2 - 120 $PY -m common.cli parity --model $G2 --dtype float32 --stages 11,12 \
     --device $DEVICE --json $RESULTS/parity.s11-s12.fp32.$G2.$DEVICE.json
-step profile-s12_cuda_graphs-$G2 - 60 $PY -m common.cli profile-decode --stage 12 --model $G2 --device $DEVICE \
-    --batch 64 --prompt-len 64 --steps 20 --json $RESULTS/profile.s12_cuda_graphs.b64.$G2.$DEVICE.json
-step make-bench-s12-vs-s11-$G2 - 120 $PY -m stages.s12_cuda_graphs.bench --preset post-052 --compare --model $G2 \
-    --device $DEVICE --json $RESULTS/make-bench.s12_cuda_graphs.$G2.$DEVICE.json
 step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --workload random-lengths \
     --num-requests 32 --max-batch-size 16 --max-new-tokens 64 --stages 11,12 --model $G2 --device $DEVICE \
     --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
-# Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst),
-# before the benches: at 5cd06ec its median step was 5.0 ms while 1 % of the gaps between tokens
-# took 200 ms. The probe lists the slowest steps with their batch, and which ran eagerly; the
-# second run turns off SDPA's cuDNN backend, which builds a plan for each new shape (a recomputed
-# prompt is a new length each time).
+# Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst): at
+# 3916404 its eager steps (a recomputed prompt is a new length each time) took 225 ms with cuDNN
+# and 38 without. Then stage 13 against 12 and 12 against 11 on SmolLM2 (both count their eager
+# steps), and last the probe with cuDNN let back in, to compare on the same machine.
 step probe-s13 smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
     --json $RESULTS/worker-probe.s13_preemption.$DEVICE.json
-step probe-s13-no-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --no-cudnn-attention \
-    --json $RESULTS/worker-probe.s13_preemption.no-cudnn.$DEVICE.json
-# Stage 12 against 11 on SmolLM2, and 13 against 12 on stage 13's workload (both count their eager steps).
-step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
-    --json $RESULTS/s12_cuda_graphs.$DEVICE.json
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
-# Item 2: where the worker's time goes under post 052's load. At e5514d9 the worker was in decode
-# 96 % of the time, its median step 9.2 ms and its mean 23.8: a few slow steps. The probe now
-# lists the slowest with their batch; the second run turns off SDPA's cuDNN backend, whose plans
-# are built per new shape (batch and K/V width change as requests arrive).
-step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \
-    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.$G2.$DEVICE.json
-step probe-s09-no-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
-    --device $DEVICE --no-cudnn-attention \
-    --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.no-cudnn.$G2.$DEVICE.json
-# The newest stage under the same load: its TPOT against its decode step (graphs from stage 12 on).
-step probe-s14-$G2 - 60 $PY -m common.cli worker-probe --stage 14 --preset post-052 --model $G2 --device $DEVICE \
-    --json $RESULTS/worker-probe.s14_tensor_parallel.post-052.$G2.$DEVICE.json
+step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
+    --json $RESULTS/s12_cuda_graphs.$DEVICE.json
+step probe-s13-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --cudnn-attention \
+    --json $RESULTS/worker-probe.s13_preemption.cudnn.$DEVICE.json
 # Stage 14 (tensor parallelism): its tests (at size 1 on this GPU, CUDA graphs and all; the ranks
 # on gloo where there is one GPU, on NCCL where there are two or more), then, with two GPUs or
 # more, what a step's all-reduces cost there: gpt2-random (12 heads) at sizes 1 and 2.

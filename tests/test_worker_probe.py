@@ -90,13 +90,20 @@ def test_stage_12_counts_each_kind_of_step(tmp_path: Path, capsys, tiny) -> None
         assert all(isinstance(s["eager"], bool) for s in run["slowest"])
 
 
-def test_cudnn_attention_switch(tmp_path: Path, tiny) -> None:
-    """The switch reaches torch's global flag (the worker thread reads the same one) and the result says so."""
-    import torch
+@pytest.mark.parametrize("flag", ["--cudnn-attention", "--no-cudnn-attention"])
+def test_cudnn_attention_switch(tmp_path: Path, tiny, monkeypatch, flag: str) -> None:
+    """The switch reaches every forward of the run (the worker thread's too), is undone after it,
+    and the result says which way it ran."""
+    from torch.nn.attention import SDPBackend
+
+    from common.model import DecoderModel
+    seen: set[tuple] = set()
+    forward = DecoderModel.forward
+    monkeypatch.setattr(DecoderModel, "forward", lambda self, *a, **k: (seen.add(self.sdpa_backends), forward(self, *a, **k))[1])
+    before = DecoderModel.sdpa_backends
     out = tmp_path / "probe.json"
-    try:
-        assert worker_probe.main(["--stage", "9", *BENCH, "--no-cudnn-attention", "--json", str(out)]) == 0
-        assert torch.backends.cuda.cudnn_sdp_enabled() is False
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
-    assert json.loads(out.read_text())["worker"]["cudnn_attention"] is False
+    assert worker_probe.main(["--stage", "9", *BENCH, flag, "--json", str(out)]) == 0
+    on = flag == "--cudnn-attention"
+    assert len(seen) == 1 and (SDPBackend.CUDNN_ATTENTION in seen.pop()) is on
+    assert DecoderModel.sdpa_backends == before and SDPBackend.CUDNN_ATTENTION not in before
+    assert json.loads(out.read_text())["worker"]["cudnn_attention"] is on

@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="Every other flag goes to the stage's bench unchanged (one engine: no --compare).")
     p.add_argument("--stage", required=True, help="stage number or name, 04 or later")
     p.add_argument("--json", type=output_file, default=None, metavar="PATH", help="the bench's result with a `worker` section added")
-    p.add_argument("--no-cudnn-attention", action="store_true",
-                   help="turn off SDPA's cuDNN backend (CUDA): is a new shape's cuDNN plan what makes slow steps?")
+    p.add_argument("--cudnn-attention", action=argparse.BooleanOptionalAction, default=False,
+                   help="let SDPA pick its cuDNN backend again (CUDA), to compare: our forwards leave it out, "
+                        "as it plans each new shape slowly (default: off, as DecoderModel.sdpa_backends)")
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
@@ -204,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     from common.bench.results import write_result
     from common.stages import resolve_stage
 
-    if a.no_cudnn_attention:  # a global switch of torch's, so the worker thread sees it too
-        import torch
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    from common.model import DecoderModel
+
     package = resolve_stage(a.stage)
     watch = instrument(package)
-
-    result = run_stage_bench(package, bench_argv)
+    backends = DecoderModel.sdpa_backends
+    if a.cudnn_attention:  # every forward of this run, the worker thread's too, picks from these
+        from torch.nn.attention import SDPBackend
+        DecoderModel.sdpa_backends = (*backends, SDPBackend.CUDNN_ATTENTION)
+    try:
+        result = run_stage_bench(package, bench_argv)
+    finally:
+        DecoderModel.sdpa_backends = backends
     result["worker"] = worker_fields(watch, result["config"]["warmup_runs"])  # the bench's own parse of its flags
-    result["worker"]["cudnn_attention"] = not a.no_cudnn_attention
+    result["worker"]["cudnn_attention"] = a.cudnn_attention
     print(report(result["worker"], result), flush=True)
     if a.json:
         write_result(a.json, result, "worker-probe", argv)
