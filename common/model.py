@@ -12,23 +12,24 @@ concatenated into one weight so each is a single matmul; GPT-2's Conv1D weights 
 weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x faster than
 `F.linear` there for decode-sized inputs).
 
-One run-time choice too: our forwards keep SDPA off its cuDNN backend (`sdpa_backends`). On a
-GPU cuDNN builds a plan for every new shape, and an engine's eager steps bring new shapes all
-the time: the batch grows, the gathered K/V widens, a prompt chunk has its own length.
+One run-time choice too: our forwards keep SDPA off its cuDNN backend (`cudnn_attention`). On
+an H200 the eager steps ran several times slower with it, and they bring new shapes all the
+time (the batch grows, the gathered K/V widens, a prompt chunk has its own length), which cuDNN
+plans one by one.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig
 from .linear import linear, pack
@@ -193,16 +194,28 @@ class GPT2Block(nn.Module, Projections):
         return x + self.project("mlp_proj", h)  # [B, T, E]
 
 
+@contextmanager
+def cudnn_sdpa(enabled: bool) -> Iterator[None]:
+    """SDPA's cuDNN backend on or off inside the block, then as it was; the caller's choice of the
+    other backends stays. torch's flag is process-wide, so one engine forwards at a time (as the
+    worker thread of serve and the benches does)."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 class DecoderModel(nn.Module):
     """A decoder-only LM (Llama family or GPT-2) whose attention is supplied by the caller."""
 
-    # The SDPA backends a forward may pick from: all but cuDNN's (a CUDA one; on a CPU this is
-    # the default set). cuDNN plans each new shape once, slowly: on an H200, stage 13's eager
-    # steps took 225 ms with it and 38 without, and stage 09's TPOT under post 052's load was
-    # 23.3 ms against 8.9 (docs/results/cuda/worker-probe.*). vLLM, SGLang and nano-vllm do not
-    # use it either: they bring their own attention kernels.
-    sdpa_backends: tuple[SDPBackend, ...] = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                             SDPBackend.MATH)
+    # May SDPA pick its cuDNN backend (CUDA only; fp32 never runs on it)? Not in our forwards: on
+    # an H200, stage 13's eager steps took 225 ms with it and 38 without, and stage 09's TPOT
+    # under post 052's load was 23.3 ms against 8.9 (docs/results/cuda/worker-probe.*), a plan
+    # built for each new shape the likely cause. vLLM and SGLang do not use PyTorch's SDPA
+    # backends at all: they bring their own attention kernels.
+    cudnn_attention: bool = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -261,8 +274,7 @@ class DecoderModel(nn.Module):
         logits_indices: Tensor | None = None,  # [B]: per row, which t to keep
     ) -> Tensor:  # [B, T, V], or [B, V] with logits_indices
         x = self.embed_tokens(input_ids)  # [B, T, E]
-        # torch's flags, set for this forward and restored; process-wide, so one engine forwards at a time
-        with sdpa_kernel(list(self.sdpa_backends)):
+        with cudnn_sdpa(self.cudnn_attention):
             if self.config.arch == "gpt2":
                 x = x + self.embed_positions(positions)
                 for layer in self.layers:

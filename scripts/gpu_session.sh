@@ -76,9 +76,9 @@ step tests-s12-s13 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     stages/s12_cuda_graphs/test_stage.py stages/s13_preemption/test_stage.py tests/test_cuda.py \
     -k "s11 or s12 or s13 or stage12 or profiles or preempt or pool or admission or stream or cancel"
 # Item 2: where the worker's time goes under post 052's load, for the newest stage and stage 09.
-# At 3916404 SDPA's cuDNN backend built a plan for each new shape: stage 14's eager steps took
+# At 3916404, with SDPA's cuDNN backend in use, stage 14's eager steps (each a new shape) took
 # 80 ms each, three quarters of its decode time, and with cuDNN off stage 09's TPOT p50 fell from
-# 23.3 to 8.9 ms. Our forwards leave cuDNN out since (DecoderModel.sdpa_backends): these two
+# 23.3 to 8.9 ms. Our forwards leave cuDNN out since (DecoderModel.cudnn_attention): these two
 # probes measure that, and every bf16 result after them is measured again for the same reason.
 step probe-s14-$G2 - 60 $PY -m common.cli worker-probe --stage 14 --preset post-052 --model $G2 --device $DEVICE \
     --json $RESULTS/worker-probe.s14_tensor_parallel.post-052.$G2.$DEVICE.json
@@ -105,7 +105,7 @@ step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --wo
 # Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst): at
 # 3916404 its eager steps (a recomputed prompt is a new length each time) took 225 ms with cuDNN
 # and 38 without. Then stage 13 against 12 and 12 against 11 on SmolLM2 (both count their eager
-# steps), and last the probe with cuDNN let back in, to compare on the same machine.
+# steps), and last the probes with cuDNN let back in, to compare on the same machine.
 step probe-s13 smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
     --json $RESULTS/worker-probe.s13_preemption.$DEVICE.json
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
@@ -114,6 +114,8 @@ step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --devic
     --json $RESULTS/s12_cuda_graphs.$DEVICE.json
 step probe-s13-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --cudnn-attention \
     --json $RESULTS/worker-probe.s13_preemption.cudnn.$DEVICE.json
+step probe-s09-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
+    --device $DEVICE --cudnn-attention --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.cudnn.$G2.$DEVICE.json
 # Stage 14 (tensor parallelism): its tests (at size 1 on this GPU, CUDA graphs and all; the ranks
 # on gloo where there is one GPU, on NCCL where there are two or more), then, with two GPUs or
 # more, what a step's all-reduces cost there: gpt2-random (12 heads) at sizes 1 and 2.

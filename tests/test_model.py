@@ -119,23 +119,26 @@ def test_positions_drive_rope_incremental_forward(tiny_loaded):
     torch.testing.assert_close(rest, full[:, 13:], atol=ATOL, rtol=0)
 
 
-def test_attention_runs_without_sdpa_cudnn_and_the_flags_come_back(tiny_loaded):
-    """cuDNN's SDPA plans every new shape (on an H200 an eager step took 225 ms with it, 38
-    without): our forwards leave it out, and only while they run. The flags are torch's global
-    ones, so this catches on a CPU what a GPU would pick."""
-    seen: list[tuple[bool, bool, bool]] = []
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_attention_runs_with_sdpa_cudnn_as_the_model_says_and_the_flags_come_back(tiny_loaded, monkeypatch, cudnn):
+    """cuDNN's SDPA made an H200's eager steps several times slower: our forwards leave it out
+    (`DecoderModel.cudnn_attention`), only while they run, and touch no other backend's flag.
+    The flags are torch's global ones, so this catches on a CPU what a GPU would pick."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seen: list[tuple[bool, bool]] = []
     flags = torch.backends.cuda
 
     def attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        seen.append((flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.math_sdp_enabled()))
+        seen.append((flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled()))
         return ReferenceAttention()(layer_idx, q, k, v)
 
-    assert flags.cudnn_sdp_enabled()  # torch's default, which the forward must turn off
+    monkeypatch.setattr(tiny_loaded.model, "cudnn_attention", cudnn)
     x = torch.tensor(PROMPT_IDS)
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):  # a caller's choice
         tiny_loaded.model(x, torch.arange(x.shape[1]).expand_as(x), attention)
-    assert seen == [(False, True, True)] * tiny_loaded.config.num_layers
-    assert flags.cudnn_sdp_enabled() and flags.flash_sdp_enabled()
+        assert flags.cudnn_sdp_enabled() and not flags.flash_sdp_enabled()  # the caller's, given back
+    assert seen == [(cudnn, False)] * tiny_loaded.config.num_layers
 
 
 def test_tiny_greedy_matches_hf_generate(tiny_loaded):

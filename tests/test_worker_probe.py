@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from common import cli
 from common.bench import worker_probe
@@ -92,18 +93,24 @@ def test_stage_12_counts_each_kind_of_step(tmp_path: Path, capsys, tiny) -> None
 
 @pytest.mark.parametrize("flag", ["--cudnn-attention", "--no-cudnn-attention"])
 def test_cudnn_attention_switch(tmp_path: Path, tiny, monkeypatch, flag: str) -> None:
-    """The switch reaches every forward of the run (the worker thread's too), is undone after it,
-    and the result says which way it ran."""
-    from torch.nn.attention import SDPBackend
+    """The switch reaches torch's flag in every attention call of the run (the worker thread's
+    too), is undone after it, and the result says which way it ran."""
+    import torch.nn.functional as F
 
     from common.model import DecoderModel
-    seen: set[tuple] = set()
-    forward = DecoderModel.forward
-    monkeypatch.setattr(DecoderModel, "forward", lambda self, *a, **k: (seen.add(self.sdpa_backends), forward(self, *a, **k))[1])
-    before = DecoderModel.sdpa_backends
+    seen: set[bool] = set()
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: (seen.add(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*a, **k))[1])
     out = tmp_path / "probe.json"
     assert worker_probe.main(["--stage", "9", *BENCH, flag, "--json", str(out)]) == 0
     on = flag == "--cudnn-attention"
-    assert len(seen) == 1 and (SDPBackend.CUDNN_ATTENTION in seen.pop()) is on
-    assert DecoderModel.sdpa_backends == before and SDPBackend.CUDNN_ATTENTION not in before
+    assert seen == {on}
+    assert DecoderModel.cudnn_attention is False and torch.backends.cuda.cudnn_sdp_enabled()
     assert json.loads(out.read_text())["worker"]["cudnn_attention"] is on
+
+
+def test_cudnn_attention_is_refused_for_tensor_parallel_ranks() -> None:
+    """The ranks are processes of their own: the switch would reach rank 0 alone."""
+    with pytest.raises(ValueError, match="--cudnn-attention"):
+        worker_probe.main(["--stage", "14", *BENCH, "--tensor-parallel-size", "2", "--cudnn-attention"])

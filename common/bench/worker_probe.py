@@ -197,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=output_file, default=None, metavar="PATH", help="the bench's result with a `worker` section added")
     p.add_argument("--cudnn-attention", action=argparse.BooleanOptionalAction, default=False,
                    help="let SDPA pick its cuDNN backend again (CUDA), to compare: our forwards leave it out, "
-                        "as it plans each new shape slowly (default: off, as DecoderModel.sdpa_backends)")
+                        "as their eager steps ran several times slower with it (default: off, as "
+                        "DecoderModel.cudnn_attention); one rank only")
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
+    if a.cudnn_attention and any(t.startswith("--tensor-parallel") for t in bench_argv):
+        raise ValueError("worker-probe: --cudnn-attention reaches this process's forwards only, not the ranks "
+                         "a --tensor-parallel-size engine starts")
     from common.bench.harness import run_stage_bench
     from common.bench.results import write_result
     from common.stages import resolve_stage
@@ -209,14 +213,12 @@ def main(argv: list[str] | None = None) -> int:
 
     package = resolve_stage(a.stage)
     watch = instrument(package)
-    backends = DecoderModel.sdpa_backends
-    if a.cudnn_attention:  # every forward of this run, the worker thread's too, picks from these
-        from torch.nn.attention import SDPBackend
-        DecoderModel.sdpa_backends = (*backends, SDPBackend.CUDNN_ATTENTION)
+    default = DecoderModel.cudnn_attention
+    DecoderModel.cudnn_attention = a.cudnn_attention  # every forward of the run, the worker thread's too
     try:
         result = run_stage_bench(package, bench_argv)
     finally:
-        DecoderModel.sdpa_backends = backends
+        DecoderModel.cudnn_attention = default
     result["worker"] = worker_fields(watch, result["config"]["warmup_runs"])  # the bench's own parse of its flags
     result["worker"]["cudnn_attention"] = a.cudnn_attention
     print(report(result["worker"], result), flush=True)
