@@ -168,6 +168,20 @@ def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
     assert [(r["op"], r["kernel_ms_per_step"]) for r in rows] == [
         ("aten::mm", 1.5), ("aten::add", 0.05), (profile_decode.GRAPH_KERNELS, pytest.approx(2.5))]
     assert profile_decode.kernel_fields(rows)["kernel_ms_per_step"] == pytest.approx(4.05)  # the GPU's whole time
+    assert profile_decode.graph_replays(rows) and not profile_decode.graph_replays(profile_decode.op_table(Prof(), 2, kernels=True))
+
+
+def test_a_replayed_profile_reports_no_group_comparisons_and_an_eager_bound() -> None:
+    """Stage 12's profile from an H200 (before `graph_replays` was recorded): its groups saw 0 ms
+    of matmuls, which read as '0.00x the floor'; a replayed step is below the eager bound."""
+    r = json.loads((Path(__file__).parents[1] / "docs/results/cuda/profile.s12_cuda_graphs.b64.gpt2-random.cuda.json").read_text())
+    assert r["groups_ms_profiled"]["matmul"] == 0 and r["x_floor"] < r["x_floor_bound"]
+    r["graph_replays"] = profile_decode.graph_replays(r["ops"])
+    text = profile_decode.format_profile(r, top=5)
+    assert r["graph_replays"] and "replayed CUDA graphs" in text and "can go below" in text
+    assert "Matmuls in the step vs" not in text and "attention and KV cache ops took" not in text
+    r["graph_replays"] = False  # as an eager step's profile reads
+    assert "Matmuls in the step vs" in profile_decode.format_profile(r, top=5)
 
 
 def test_kv_bytes_and_the_read_floor() -> None:

@@ -34,7 +34,10 @@ Python between ops shows in no op); `decode_step_ms` is the unprofiled median.
 On CUDA an op's CPU time is what it costs to launch; the GPU's own time is counted per op too
 (`kernel_ms_per_step`, from the kernels each op launched), and `kernel_share_of_step` says how
 much of the unprofiled step the GPU spends computing. The rest, kernel launches, Python and the
-host's wait, is what CUDA graphs or fewer kernels per layer would remove.
+host's wait, is what CUDA graphs or fewer kernels per layer would remove. Where the steps replay
+CUDA graphs (stage 12 on, on a GPU), their kernels belong to no op: `graph_replays` says so, the
+comparisons of the matmul and attention groups are left out (None), and the step may go below
+`x_floor_bound`, which is eager PyTorch's.
 """
 from __future__ import annotations
 
@@ -193,6 +196,12 @@ def group_fields(ops: list[dict]) -> dict:
             "groups_share": {g: v / total if total else 0.0 for g, v in groups.items()}}
 
 
+def graph_replays(ops: list[dict]) -> bool:
+    """Did the profiled steps replay CUDA graphs? Their kernels then belong to no op (the
+    `GRAPH_KERNELS` row holds them), so the groups cannot say what the matmuls or attention took."""
+    return any(r["op"] == GRAPH_KERNELS and r.get("kernel_ms_per_step", 0.0) > 0 for r in ops)
+
+
 def kernel_fields(ops: list[dict]) -> dict:
     """A CUDA profile's GPU time: every op's kernels summed, in all and per group."""
     return {"kernel_ms_per_step": sum(r["kernel_ms_per_step"] for r in ops),
@@ -336,6 +345,7 @@ def measure(a: argparse.Namespace) -> dict:
     kernel = kernel_fields(ops) if cuda else {}
     if cuda:  # how much of a step the GPU computes; the rest is launching, Python and waiting
         kernel["kernel_share_of_step"] = kernel["kernel_ms_per_step"] / step_ms if step_ms else None
+    replayed = graph_replays(ops)  # then the step's matmuls and attention are in no op's row
     return {
         **result_head("profile-decode", package, loaded, a),
         "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps,
@@ -346,9 +356,10 @@ def measure(a: argparse.Namespace) -> dict:
         "profiled_step_ms": profiled_ms,
         "groups_ms_profiled": groups, "groups_share": fields["groups_share"],
         "floor_matmul_ms_profiled": floor_mm,
-        "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm else None,
+        "graph_replays": replayed,
+        "matmul_vs_floor": groups["matmul"] / floor_mm if floor_mm and not replayed else None,
         "kv_context_tokens": context, "kv_bytes_per_step": kv_bytes, "kv_read_floor_ms": kv_floor,
-        "attention_vs_kv_read_floor": kv_ms / kv_floor if kv_floor else None,
+        "attention_vs_kv_read_floor": kv_ms / kv_floor if kv_floor and not replayed else None,
         "attention_free_step_ms": free_ms,
         "tensor_parallel_size": tp_size, "collectives_per_step": collectives,
         "x_floor_bound": (free_ms + kv_floor) / floor_ms if floor_ms else None,
@@ -362,21 +373,27 @@ def format_profile(r: dict, top: int) -> str:
              *dtype_lines(r),
              f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
              f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
-             f"x floor {r['x_floor']:.2f}",
-             f"Matmuls in the step vs the same matmuls alone (both profiled): "
-             f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
-             f"= {r['matmul_vs_floor']:.2f}x"]
+             f"x floor {r['x_floor']:.2f}"]
+    replayed = r.get("graph_replays", False)
+    if replayed:
+        lines.append("The steps replayed CUDA graphs: their kernels belong to no op, so the groups below "
+                     "cannot split the matmuls or attention from the rest (their total: GPU kernels, below)")
+    else:
+        lines.append(f"Matmuls in the step vs the same matmuls alone (both profiled): "
+                     f"{r['groups_ms_profiled']['matmul']:.2f} vs {r['floor_matmul_ms_profiled']:.2f} ms "
+                     f"= {r['matmul_vs_floor']:.2f}x")
     if "kv_read_floor_ms" in r:
         kv_ms = r["groups_ms_profiled"]["attention"] + r["groups_ms_profiled"]["kv_cache"]
         lines.append(f"K/V a step must read: {r['kv_bytes_per_step'] / 2**20:.2f} MiB ({r['batch']} rows x "
                      f"{r['kv_context_tokens']:.0f} tokens, every layer), {r['kv_read_floor_ms']:.3f} ms at this "
-                     f"machine's memory speed; attention and KV cache ops took {kv_ms:.2f} ms "
-                     f"= {r['attention_vs_kv_read_floor']:.2f}x that")
+                     f"machine's memory speed" + ("" if replayed else f"; attention and KV cache ops took "
+                                                  f"{kv_ms:.2f} ms = {r['attention_vs_kv_read_floor']:.2f}x that"))
     if "x_floor_bound" in r:
-        lines.append(f"Without attention (the same forward, attention a no-op): "
+        lines.append(f"Without attention (the same forward, attention a no-op, eager): "
                      f"{r['attention_free_step_ms']:.2f} ms = {r['attention_free_step_ms'] / r['floor_ms']:.2f}x floor")
-        lines.append(f"Least x floor any attention can reach (that + reading the K/V once): "
-                     f"{r['x_floor_bound']:.2f}")
+        lines.append(f"Least x floor any attention can reach in eager PyTorch (that + reading the K/V once): "
+                     f"{r['x_floor_bound']:.2f}" + ("; a replayed graph launches once, so its step can go below"
+                                                   if replayed else ""))
     if "kernel_ms_per_step" in r:  # a CUDA profile
         lines.append(f"GPU kernels: {r['kernel_ms_per_step']:.2f} ms of the {r['decode_step_ms']:.2f} ms step "
                      f"({100 * r['kernel_share_of_step']:.0f} %); the rest is launches, Python and waiting. By group: "
