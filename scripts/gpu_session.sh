@@ -47,7 +47,12 @@ pack() {  # everything written under $RESULTS since the first call, and the logs
 }
 
 step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
-    local name=$1 needs=$2 limit=$3 left rc t
+    # LIMIT_S is about 1.5x what the step took on an H200. A step cut short writes nothing and
+    # runs again in the next call, so one is skipped while under 3/4 of its limit is left (the
+    # smaller steps after it may fit). "N+" marks a step that keeps what it wrote when cut
+    # (rerun_results --resume): it runs on whatever is left.
+    local name=$1 needs=$2 limit=${3%+} left rc t whole=1
+    [ "$3" != "$limit" ] && whole=0
     shift 3
     if grep -qsxF "$name" "$DONE" scripts/gpu_steps_done.txt; then return; fi
     if [ "$needs" = smollm2 ] && [[ "$gguf_state" != ready* ]]; then
@@ -55,6 +60,9 @@ step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
     fi
     left=$((BUDGET - (SECONDS - START)))
     if [ "$left" -lt 30 ]; then echo "--- $name: no time left"; return; fi
+    if [ "$whole" = 1 ] && [ "$left" -lt $((limit * 3 / 4)) ]; then
+        echo "--- $name: ${left}s left, under 3/4 of its ${limit}s"; return
+    fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name (at most ${limit}s): $*"
     t=$SECONDS
@@ -72,7 +80,7 @@ G2=gpt2-random
 
 # Item 1: the newest stages, proven on the GPU first. Stage 12 (CUDA graphs): its tests and the
 # CUDA ones (capture, replay equal to eager in fp32, one sync a step, memory back on close()).
-step tests-s12-s13 - 150 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
+step tests-s12-s13 - 80 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     stages/s12_cuda_graphs/test_stage.py stages/s13_preemption/test_stage.py tests/test_cuda.py \
     -k "s11 or s12 or s13 or stage12 or profiles or preempt or pool or admission or stream or cancel"
 # Item 2: where the worker's time goes under post 052's load, for the newest stage and stage 09.
@@ -90,7 +98,7 @@ step probe-s09-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset post-0
 # random-lengths ladder with transformers.
 step profile-s12_cuda_graphs-$G2 - 60 $PY -m common.cli profile-decode --stage 12 --model $G2 --device $DEVICE \
     --batch 64 --prompt-len 64 --steps 20 --json $RESULTS/profile.s12_cuda_graphs.b64.$G2.$DEVICE.json
-step make-bench-s12-vs-s11-$G2 - 120 $PY -m stages.s12_cuda_graphs.bench --preset post-052 --compare --model $G2 \
+step make-bench-s12-vs-s11-$G2 - 100 $PY -m stages.s12_cuda_graphs.bench --preset post-052 --compare --model $G2 \
     --device $DEVICE --json $RESULTS/make-bench.s12_cuda_graphs.$G2.$DEVICE.json
 for b in 64 16 1; do
     step ladder-decode-step-b$b-s11-s12-$G2 - 90 $PY -m common.cli ladder --workload decode-step --stages 11,12 --no-hf \
@@ -99,14 +107,14 @@ for b in 64 16 1; do
 done
 step parity-s11-s12-fp32-$G2 - 120 $PY -m common.cli parity --model $G2 --dtype float32 --stages 11,12 \
     --device $DEVICE --json $RESULTS/parity.s11-s12.fp32.$G2.$DEVICE.json
-step ladder-random-lengths-32x16-s11-s12-$G2 - 150 $PY -m common.cli ladder --workload random-lengths \
+step ladder-random-lengths-32x16-s11-s12-$G2 - 180 $PY -m common.cli ladder --workload random-lengths \
     --num-requests 32 --max-batch-size 16 --max-new-tokens 64 --stages 11,12 --model $G2 --device $DEVICE \
     --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
 # Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst): at
 # 3916404 its eager steps (a recomputed prompt is a new length each time) took 225 ms with cuDNN
 # and 38 without. Then stage 13 against 12 and 12 against 11 on SmolLM2 (both count their eager
 # steps), and last the probes with cuDNN let back in, to compare on the same machine.
-step probe-s13 smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
+step probe-s13 smollm2 120 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
     --json $RESULTS/worker-probe.s13_preemption.$DEVICE.json
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
@@ -119,7 +127,7 @@ step probe-s09-cudnn-$G2 - 60 $PY -m common.cli worker-probe --stage 9 --preset 
 # Stage 14 (tensor parallelism): its tests (at size 1 on this GPU, CUDA graphs and all; the ranks
 # on gloo where there is one GPU, on NCCL where there are two or more), then, with two GPUs or
 # more, what a step's all-reduces cost there: gpt2-random (12 heads) at sizes 1 and 2.
-step tests-s14 - 240 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
+step tests-s14 - 300 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
     stages/s14_tensor_parallel/test_stage.py tests/test_parity.py -k "s14 or rank or torchrun or refused or padded"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     for tp in 1 2; do
@@ -161,8 +169,8 @@ step bench-s08 smollm2 80 $RERUN --only s08_token_id_cache_keys.cpu
 step bench-s07 smollm2 90 $RERUN --only s07_admission_knob.cpu
 # Item 4: the rest of the CPU set's commands, as long as time allows (the stability runs and the
 # serving comparisons last longest and come last).
-step rest smollm2 600 $RERUN --resume --skip stability --skip serve
-step rest-serve smollm2 300 $RERUN --resume --skip stability
+step rest smollm2 600+ $RERUN --resume --skip stability --skip serve
+step rest-serve smollm2 300+ $RERUN --resume --skip stability
 pack
 echo "gpu_session: $(wc -l <"$DONE") steps done at $(echo "${STAGEWISE_GIT_COMMIT:-unknown}" | cut -c1-10), $((SECONDS - START))s in this call;" \
      "$(ls "$STASH/results" | wc -l) files in $OUT/results.tgz"
