@@ -15,7 +15,7 @@ weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x fas
 One run-time choice too: our forwards keep SDPA off its cuDNN backend (`cudnn_attention`). On
 an H200 the eager steps ran several times slower with it, and they bring new shapes all the
 time (the batch grows, the gathered K/V widens, a prompt chunk has its own length), which cuDNN
-plans one by one.
+may plan one by one.
 """
 
 from __future__ import annotations
@@ -213,8 +213,8 @@ class DecoderModel(nn.Module):
     # May SDPA pick its cuDNN backend (CUDA only; fp32 never runs on it)? Not in our forwards: on
     # an H200, stage 13's eager steps took 225 ms with it and 38 without, and stage 09's TPOT
     # under post 052's load was 23.3 ms against 8.9 (docs/results/cuda/worker-probe.*), a plan
-    # built for each new shape the likely cause. vLLM and SGLang do not use PyTorch's SDPA
-    # backends at all: they bring their own attention kernels.
+    # built for each new shape the likely cause. vLLM and SGLang do not use SDPA by default on
+    # a GPU: they bring their own attention kernels.
     cudnn_attention: bool = False
 
     def __init__(self, config: ModelConfig) -> None:

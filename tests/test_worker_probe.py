@@ -110,7 +110,8 @@ def test_cudnn_attention_switch(tmp_path: Path, tiny, monkeypatch, flag: str) ->
     assert json.loads(out.read_text())["worker"]["cudnn_attention"] is on
 
 
-def test_cudnn_attention_is_refused_for_tensor_parallel_ranks() -> None:
+@pytest.mark.parametrize("size", [[], ["--tensor-parallel-size", "2"]])  # stage 14's own default is 3
+def test_cudnn_attention_is_refused_for_tensor_parallel_ranks(size: list[str]) -> None:
     """The ranks are processes of their own: the switch would reach rank 0 alone."""
     with pytest.raises(ValueError, match="--cudnn-attention"):
-        worker_probe.main(["--stage", "14", *BENCH, "--tensor-parallel-size", "2", "--cudnn-attention"])
+        worker_probe.main(["--stage", "14", *BENCH, *size, "--cudnn-attention"])

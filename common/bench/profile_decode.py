@@ -374,7 +374,7 @@ def format_profile(r: dict, top: int) -> str:
              f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
              f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
              f"x floor {r['x_floor']:.2f}"]
-    replayed = r.get("graph_replays", False)
+    replayed = r.get("graph_replays", graph_replays(r.get("ops", [])))  # older files: from their op rows
     if replayed:
         lines.append("The steps replayed CUDA graphs: their kernels belong to no op, so the groups below "
                      "cannot split the matmuls or attention from the rest (their total: GPU kernels, below)")

@@ -202,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
-    if a.cudnn_attention and any(t.startswith("--tensor-parallel") for t in bench_argv):
-        raise ValueError("worker-probe: --cudnn-attention reaches this process's forwards only, not the ranks "
-                         "a --tensor-parallel-size engine starts")
+    from common.bench.flags import parse_bench_args
     from common.bench.harness import run_stage_bench
     from common.bench.results import write_result
     from common.stages import resolve_stage
@@ -212,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     from common.model import DecoderModel
 
     package = resolve_stage(a.stage)
+    if a.cudnn_attention and (getattr(parse_bench_args(importlib.import_module(package), bench_argv),
+                                      "tensor_parallel_size", None) or 1) > 1:  # stage 14's own default is 3
+        raise ValueError("worker-probe: --cudnn-attention reaches this process's forwards only, not the ranks "
+                         "a --tensor-parallel-size engine starts: add --tensor-parallel-size 1")
     watch = instrument(package)
     default = DecoderModel.cudnn_attention
     DecoderModel.cudnn_attention = a.cudnn_attention  # every forward of the run, the worker thread's too
