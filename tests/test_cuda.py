@@ -230,3 +230,23 @@ def test_stage12_captures_replays_as_eager_and_close_gives_the_graphs_back(tiny_
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before == 0
+
+
+def test_s11_bf16_steps_never_run_cudnn_attention():
+    """SDPA's cuDNN backend made an H200's eager steps several times slower (stage 13's took
+    225 ms with it, 38 without): our forwards leave it out (`DecoderModel.cudnn_attention`). A bf16
+    run of prefill chunks and decode steps on the post's model shape, where it was SDPA's pick,
+    shows SDPA's other kernels and none of cuDNN's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.loader import load_model
+
+    loaded = load_model("gpt2-random", device="cuda", dtype="bfloat16")
+    engine = stage_module("s11_chunked_prefill").InferenceEngine(loaded, max_batch_size=4)
+    requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=6, stop_on_eos=False))
+                for p in _prompts(3, seed=7)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(requests)
+    names = [e.key for e in prof.key_averages()]
+    assert any("scaled_dot_product" in n for n in names)  # attention ran, and the profiler saw it
+    assert not [n for n in names if "cudnn" in n.lower() and ("attention" in n.lower() or "sdpa" in n.lower())]
