@@ -98,6 +98,7 @@ def test_cudnn_attention_switch(tmp_path: Path, tiny, monkeypatch, flag: str) ->
     import torch.nn.functional as F
 
     from common.model import DecoderModel
+
     seen: set[bool] = set()
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",

@@ -205,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     from common.bench.flags import parse_bench_args
     from common.bench.harness import run_stage_bench
     from common.bench.results import write_result
-    from common.stages import resolve_stage
-
     from common.model import DecoderModel
+    from common.stages import resolve_stage
 
     package = resolve_stage(a.stage)
     if a.cudnn_attention and (getattr(parse_bench_args(importlib.import_module(package), bench_argv),
