@@ -266,13 +266,20 @@ def test_openai_client_raises_on_refusals(live) -> None:
     assert live.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # and it goes on
 
 
-def test_a_prompt_the_kv_pool_can_never_hold_is_a_400(loaded) -> None:
-    server = LiveServer(loaded, num_kv_blocks=2, block_size=16)
+def test_a_prompt_the_kv_pool_can_never_hold_is_a_400_naming_the_field(loaded) -> None:
+    """Stages 03-12 book prompt + max_new_tokens: the 400 names the prompt when it cannot fit even
+    alone, else the request's max-tokens field (what the client can lower)."""
+    server = LiveServer(loaded, num_kv_blocks=2, block_size=16)  # 32 tokens in all
     try:
-        with pytest.raises(openai.BadRequestError, match="kv cache"):
+        with pytest.raises(openai.BadRequestError, match="KV blocks") as err:
             server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4)
-        with pytest.raises(openai.BadRequestError, match="kv cache"):  # a stream too: no 200 before a token
+        assert err.value.param == "prompt"
+        with pytest.raises(openai.BadRequestError, match="KV blocks") as err:  # a stream too: no 200 before a token
             server.client.completions.create(model="tiny", prompt=list(range(1000, 1080)), max_tokens=4, stream=True)
+        assert err.value.param == "prompt"
+        with pytest.raises(openai.BadRequestError, match="KV blocks") as err:  # 5 + 40 tokens: lower max_tokens
+            server.client.completions.create(model="tiny", prompt=list(range(1000, 1005)), max_tokens=40)
+        assert err.value.param == "max_tokens" and "400 - max_tokens: a request needs" in err.value.message
         assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # it goes on
     finally:
         server.stop()

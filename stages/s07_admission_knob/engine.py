@@ -110,9 +110,14 @@ class InferenceEngine:
         session = InferenceSession(request, prompt.token_ids, prompt.truncated,
                                    make_generator(request.params, self.device), self.pool)
         need = session.worst_case_blocks(self.max_model_len)
-        if need > self.pool.allocator.num_blocks:
-            raise ValueError(f"kv cache: a request needs {need} KV blocks but the pool has only "
-                             f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")
+        capacity = self.pool.allocator.num_blocks
+        if need > capacity:
+            # Name the field the client can change: the prompt if it cannot fit even with one new
+            # token (a context window of prompt + 1 caps the worst case there), else max_new_tokens.
+            alone = session.worst_case_blocks(len(session.prompt_ids) + 1)
+            field = "prompt" if alone > capacity else "max_new_tokens"
+            raise ValueError(f"{field}: a request needs {need} KV blocks (its prompt and the tokens it may generate) but "
+                             f"the pool has only {capacity}; lower it or raise kv_cache_max_concurrency or num_kv_blocks")
         return session
 
     def reserve(self, session: InferenceSession) -> None:

@@ -259,7 +259,7 @@ class InferenceEngine:
                                    prefill_target=len(prompt.token_ids))
         need = self.blocks_for(len(prompt.token_ids) + 1)
         if need > self.pool.allocator.num_blocks:
-            raise ValueError(f"kv cache: a request's prompt needs {need} KV blocks but the pool has only "
+            raise ValueError(f"prompt: a request's prompt needs {need} KV blocks but the pool has only "
                              f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")
         return session
 
