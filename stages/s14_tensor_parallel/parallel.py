@@ -221,8 +221,16 @@ class TensorParallel:
             raise RuntimeError(self.broken)
         self.counts["broadcast"] += 1
         self.counts["broadcast_bytes"] += len(pickle.dumps(message))  # what the broadcast pickles and sends
-        with record_function("tensor_parallel::broadcast"):
-            dist.broadcast_object_list([message], src=0, group=self.control)
+        try:
+            with record_function("tensor_parallel::broadcast"):
+                dist.broadcast_object_list([message], src=0, group=self.control)
+        except (RuntimeError, OSError) as exc:
+            # A rank this process did not start (torchrun's) has died: gloo finds its socket closed
+            # at once. Every later step fails with the same reason, as after any other abort.
+            if not self.broken:
+                self.abort(f"tensor parallel: the other ranks could not be reached, one has likely died "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+            raise RuntimeError(self.broken) from exc
 
     def failure(self) -> str | None:
         """Why this group can run no more steps (a step was aborted, or a rank this process started

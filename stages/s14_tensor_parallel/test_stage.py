@@ -153,6 +153,28 @@ def test_a_rank_that_dies_ends_the_run_with_an_error_not_a_hang(tp_tiny) -> None
         engine.close()
 
 
+def test_a_rank_it_did_not_start_dies_and_the_next_step_fails_at_once(tp_tiny, monkeypatch) -> None:
+    """Under torchrun rank 0 has no handle on the other ranks' processes: it learns of a death from
+    the step's broadcast, whose socket gloo finds closed. The collectives' timeout is set far past
+    the wait below: a step that waited for it would fail the test."""
+    monkeypatch.setenv("STAGEWISE_TP_TIMEOUT_S", "600")
+    engine = s14.InferenceEngine(tp_tiny, max_batch_size=2, block_size=BS, tensor_parallel_size=2)
+    worker = engine.tp.workers.pop()  # as under torchrun: not this process's to watch
+    try:
+        with s14.SchedulerManager(engine, max_batch_size=2) as mgr:
+            first = mgr.add_request(prompt_token_ids=_ids(4, seed=1), max_new_tokens=3, stop_on_eos=False)
+            assert len(first.result(timeout=60).token_ids) == 3
+            worker.kill()
+            worker.join(10)
+            for seed in (2, 3):  # the next step, and every one after it
+                doomed = mgr.add_request(prompt_token_ids=_ids(4, seed=seed), max_new_tokens=3, stop_on_eos=False)
+                with pytest.raises(RuntimeError, match="could not be reached, one has likely died"):
+                    doomed.result(timeout=60)
+    finally:
+        engine.close()
+        worker.join(10)
+
+
 def test_gpt2_random_at_two_and_three_ranks_gives_transformers_tokens() -> None:
     """GPT-2's layout: c_attn's q, k and v side by side, stored [in, out]; a bias in every
     projection, the row-parallel ones on rank 0 alone. 12 heads: two ranks and three."""
