@@ -13,11 +13,9 @@ At size 1 this is stage 13, with no process group.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -30,32 +28,10 @@ from common.sampling import make_generator, sample_tokens
 from .attention import DecodeAttention, PrefillAttention, StepAttention
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVBlockPool, OutOfKVBlocks
-from .parallel import TensorParallel
+from .parallel import Step, TensorParallel
 from .sharding import load_shard, local_config
 from .prefix_cache import BlockKey, PrefixCache, block_keys
 from .session import InferenceSession
-
-
-@dataclass
-class Step:
-    """One step's forward as every rank runs it: the packed row's token ids and positions [T]
-    (decode rows first), each decode row's slot [B], block table [B, nb] and length [B], each
-    prompt chunk's slots [S], span and blocks, and the rows whose logits are kept. Rank 0 builds
-    it from its sessions; the other ranks get a copy (parallel.py) and never see a session."""
-
-    ids: list[int]
-    positions: torch.Tensor
-    rows: list[int]
-    num_decode: int
-    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    prefill: tuple[torch.Tensor, list[tuple[int, int, int]], list[list[int]]] | None = None
-    graph: bool = False  # decode only, in a captured bucket
-
-    def cpu(self) -> "Step":
-        """A copy to send: its tensors on the host."""
-        move = lambda group: None if group is None else tuple(t.cpu() if torch.is_tensor(t) else t for t in group)  # noqa: E731
-        return dataclasses.replace(self, positions=self.positions.cpu(), decode=move(self.decode),
-                                   prefill=move(self.prefill))
 
 
 CLOSE_WAIT_S = 10.0  # close() waits this long for a running step before it stops the ranks under it

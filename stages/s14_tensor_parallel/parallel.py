@@ -18,11 +18,13 @@ gloo between CPU processes, NCCL between GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -44,6 +46,28 @@ def collective_timeout() -> datetime.timedelta:
     """How long a collective of the model waits for a rank that died: a minute, or what
     STAGEWISE_TP_TIMEOUT_S says (the tests shorten it)."""
     return datetime.timedelta(seconds=float(os.environ.get("STAGEWISE_TP_TIMEOUT_S", 60)))
+
+
+@dataclass
+class Step:
+    """One step's forward as every rank runs it: the packed row's token ids and positions [T]
+    (decode rows first), each decode row's slot [B], block table [B, nb] and length [B], each
+    prompt chunk's slots [S], span and blocks, and the rows whose logits are kept. Rank 0 builds
+    it from its sessions; the other ranks get a copy (`send`) and never see a session."""
+
+    ids: list[int]
+    positions: torch.Tensor
+    rows: list[int]
+    num_decode: int
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prefill: tuple[torch.Tensor, list[tuple[int, int, int]], list[list[int]]] | None = None
+    graph: bool = False  # decode only, in a captured bucket
+
+    def cpu(self) -> "Step":
+        """A copy to send: its tensors on the host."""
+        move = lambda group: None if group is None else tuple(t.cpu() if torch.is_tensor(t) else t for t in group)  # noqa: E731
+        return dataclasses.replace(self, positions=self.positions.cpu(), decode=move(self.decode),
+                                   prefill=move(self.prefill))
 
 
 class TensorParallel:
