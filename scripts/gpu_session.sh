@@ -112,10 +112,15 @@ step ladder-random-lengths-32x16-s11-s12-$G2 - 210 $PY -m common.cli ladder --wo
     --rounds 1 --tag random-lengths-32x16.s11-s12.$G2 --out $RESULTS
 # Stage 13's worker on its own workload (64 chat questions, a KV pool for 8 at their worst): at
 # 3916404 its eager steps (a recomputed prompt is a new length each time) took 225 ms with cuDNN
-# and 38 without. Then stage 13 against 12 and 12 against 11 on SmolLM2 (both count their eager
-# steps), and last the probes with cuDNN let back in, to compare on the same machine.
+# and 38 without, and its graph replays 3.72 ms with it and 4.34 without. Since then the graphs
+# keep cuDNN (planned once per bucket, at capture) and the eager steps leave it out: the default
+# probe measures that, and the one after it cuDNN nowhere, the A/B on this machine. Then stage 13
+# against 12 and 12 against 11 on SmolLM2 (both count their eager steps), and last the probes with
+# cuDNN in every forward, as before.
 step probe-s13 smollm2 120 $PY -m common.cli worker-probe --stage 13 --device $DEVICE \
     --json $RESULTS/worker-probe.s13_preemption.$DEVICE.json
+step probe-s13-no-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --cudnn-attention off \
+    --json $RESULTS/worker-probe.s13_preemption.no-cudnn.$DEVICE.json
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
 step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \

@@ -119,11 +119,14 @@ def test_positions_drive_rope_incremental_forward(tiny_loaded):
     torch.testing.assert_close(rest, full[:, 13:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("cudnn", [False, True])
-def test_attention_runs_with_sdpa_cudnn_as_the_model_says_and_the_flags_come_back(tiny_loaded, monkeypatch, cudnn):
+def test_attention_runs_with_sdpa_cudnn_as_the_model_says_and_the_flags_come_back(tiny_loaded, monkeypatch, cudnn,
+                                                                                 captured):
     """cuDNN's SDPA made an H200's eager steps several times slower: our forwards leave it out
-    (`DecoderModel.cudnn_attention`), only while they run, and touch no other backend's flag.
-    The flags are torch's global ones, so this catches on a CPU what a GPU would pick."""
+    (`DecoderModel.cudnn_attention`), and a forward a CUDA graph captures follows its own flag
+    (`cudnn_attention_captured`), only while they run, touching no other backend's flag. The
+    flags are torch's global ones, so this catches on a CPU what a GPU would pick."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     seen: list[tuple[bool, bool]] = []
@@ -133,10 +136,11 @@ def test_attention_runs_with_sdpa_cudnn_as_the_model_says_and_the_flags_come_bac
         seen.append((flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled()))
         return ReferenceAttention()(layer_idx, q, k, v)
 
-    monkeypatch.setattr(tiny_loaded.model, "cudnn_attention", cudnn)
+    monkeypatch.setattr(tiny_loaded.model, "cudnn_attention_captured" if captured else "cudnn_attention", cudnn)
+    monkeypatch.setattr(tiny_loaded.model, "cudnn_attention" if captured else "cudnn_attention_captured", not cudnn)
     x = torch.tensor(PROMPT_IDS)
     with torch.inference_mode(), sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):  # a caller's choice
-        tiny_loaded.model(x, torch.arange(x.shape[1]).expand_as(x), attention)
+        tiny_loaded.model(x, torch.arange(x.shape[1]).expand_as(x), attention, captured=captured)
         assert flags.cudnn_sdp_enabled() and not flags.flash_sdp_enabled()  # the caller's, given back
     assert seen == [(cudnn, False)] * tiny_loaded.config.num_layers
 

@@ -91,28 +91,39 @@ def test_stage_12_counts_each_kind_of_step(tmp_path: Path, capsys, tiny) -> None
         assert all(isinstance(s["eager"], bool) for s in run["slowest"])
 
 
-@pytest.mark.parametrize("flag", ["--cudnn-attention", "--no-cudnn-attention"])
-def test_cudnn_attention_switch(tmp_path: Path, tiny, monkeypatch, flag: str) -> None:
-    """The switch reaches torch's flag in every attention call of the run (the worker thread's
-    too), is undone after it, and the result says which way it ran."""
+@pytest.mark.parametrize("mode,eager,captured", [("off", False, False), ("graphs", False, True), ("on", True, True)])
+def test_cudnn_attention_switch(tmp_path: Path, tiny, monkeypatch, mode: str, eager: bool, captured: bool) -> None:
+    """Each mode reaches torch's flag in every attention call of the run (the worker thread's
+    too): in the eager steps (prompt chunks) and in the graphs' padded decode function (which a
+    CPU runs eagerly) each as the mode says; it is undone after the run, and the result says
+    which mode ran."""
     import torch.nn.functional as F
 
     from common.model import DecoderModel
 
-    seen: set[bool] = set()
-    sdpa = F.scaled_dot_product_attention
+    seen: set[tuple[bool, bool]] = set()  # (a captured forward?, cuDNN allowed?)
+    inside: list[bool] = [False]
+    forward, sdpa = DecoderModel.forward, F.scaled_dot_product_attention
+
+    def spy_forward(self, *args, captured: bool = False, **kwargs):
+        inside[0] = captured
+        return forward(self, *args, captured=captured, **kwargs)
+
+    monkeypatch.setattr(DecoderModel, "forward", spy_forward)
     monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: (seen.add(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*a, **k))[1])
+                        lambda *a, **k: (seen.add((inside[0], torch.backends.cuda.cudnn_sdp_enabled())), sdpa(*a, **k))[1])
     out = tmp_path / "probe.json"
-    assert worker_probe.main(["--stage", "9", *BENCH, flag, "--json", str(out)]) == 0
-    on = flag == "--cudnn-attention"
-    assert seen == {on}
-    assert DecoderModel.cudnn_attention is False and torch.backends.cuda.cudnn_sdp_enabled()
-    assert json.loads(out.read_text())["worker"]["cudnn_attention"] is on
+    args = ["--stage", "12", *BENCH, "--no-enforce-eager", "--json", str(out)]
+    assert worker_probe.main(args + (["--cudnn-attention"] if mode == "on" else ["--cudnn-attention", mode])) == 0
+    assert seen == {(False, eager), (True, captured)}
+    assert (DecoderModel.cudnn_attention, DecoderModel.cudnn_attention_captured) == (False, True)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert json.loads(out.read_text())["worker"]["cudnn_attention"] == mode
 
 
 @pytest.mark.parametrize("size", [[], ["--tensor-parallel-size", "2"]])  # stage 14's own default is 3
 def test_cudnn_attention_is_refused_for_tensor_parallel_ranks(size: list[str]) -> None:
     """The ranks are processes of their own: the switch would reach rank 0 alone."""
-    with pytest.raises(ValueError, match="--cudnn-attention"):
-        worker_probe.main(["--stage", "14", *BENCH, *size, "--cudnn-attention"])
+    for mode in (["--cudnn-attention"], ["--cudnn-attention", "off"]):  # on, off: both change the engines' own
+        with pytest.raises(ValueError, match="--cudnn-attention"):
+            worker_probe.main(["--stage", "14", *BENCH, *size, *mode])

@@ -189,16 +189,21 @@ def report(w: dict[str, Any], result: dict[str, Any]) -> str:
     ])
 
 
+# --cudnn-attention: where SDPA may take cuDNN, as (DecoderModel.cudnn_attention, .cudnn_attention_captured)
+CUDNN_MODES = {"off": (False, False), "graphs": (False, True), "on": (True, True)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="stagewise worker-probe", description=__doc__.split("\n\n")[0],
                                 epilog="Every other flag goes to the stage's bench unchanged (one engine: no --compare).")
     p.add_argument("--stage", required=True, help="stage number or name, 04 or later")
     p.add_argument("--json", type=output_file, default=None, metavar="PATH", help="the bench's result with a `worker` section added")
-    p.add_argument("--cudnn-attention", action=argparse.BooleanOptionalAction, default=False,
-                   help="let SDPA pick its cuDNN backend again (CUDA), to compare: our forwards leave it out, "
-                        "as their eager steps ran several times slower with it (default: off, as "
-                        "DecoderModel.cudnn_attention); one rank only")
+    p.add_argument("--cudnn-attention", choices=CUDNN_MODES, nargs="?", const="on", default="graphs",
+                   help="where SDPA may pick its cuDNN backend (CUDA), to compare: 'graphs', the default, only in "
+                        "forwards captured into a CUDA graph (fixed shapes, planned once; DecoderModel."
+                        "cudnn_attention_captured), 'off' nowhere, 'on' (the flag alone) in every forward, the "
+                        "eager steps too, which ran several times slower with it; one rank only")
     a, bench_argv = p.parse_known_args(argv)
     if "--compare" in bench_argv or "--baseline" in bench_argv:
         raise ValueError("worker-probe: --compare/--baseline: one engine only, so that it runs in this process")
@@ -209,17 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     from common.stages import resolve_stage
 
     package = resolve_stage(a.stage)
-    if a.cudnn_attention and (getattr(parse_bench_args(importlib.import_module(package), bench_argv),
-                                      "tensor_parallel_size", None) or 1) > 1:  # stage 14's own default is 3
+    if a.cudnn_attention != "graphs" and (getattr(parse_bench_args(importlib.import_module(package), bench_argv),
+                                                  "tensor_parallel_size", None) or 1) > 1:  # stage 14's own default is 3
         raise ValueError("worker-probe: --cudnn-attention reaches this process's forwards only, not the ranks "
                          "a --tensor-parallel-size engine starts: add --tensor-parallel-size 1")
     watch = instrument(package)
-    default = DecoderModel.cudnn_attention
-    DecoderModel.cudnn_attention = a.cudnn_attention  # every forward of the run, the worker thread's too
+    defaults = DecoderModel.cudnn_attention, DecoderModel.cudnn_attention_captured
+    # Every forward of the run, the worker thread's too, and the graphs captured as the engine starts.
+    DecoderModel.cudnn_attention, DecoderModel.cudnn_attention_captured = CUDNN_MODES[a.cudnn_attention]
     try:
         result = run_stage_bench(package, bench_argv)
     finally:
-        DecoderModel.cudnn_attention = default
+        DecoderModel.cudnn_attention, DecoderModel.cudnn_attention_captured = defaults
     result["worker"] = worker_fields(watch, result["config"]["warmup_runs"])  # the bench's own parse of its flags
     result["worker"]["cudnn_attention"] = a.cudnn_attention
     print(report(result["worker"], result), flush=True)

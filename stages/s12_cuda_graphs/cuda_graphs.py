@@ -120,7 +120,9 @@ class DecodeGraphs:
         buffer, grown by a warm-up) may be inference tensors, which PyTorch lets no other mode write."""
         attention = StepAttention(DecodeAttention(self.engine.pool, self.slots[:G], self.blocks[:G, :W],
                                                   self.lengths[:G]), None, G)
-        out = self.engine.model(self.ids[:, :G], self.positions[:, :G], attention, logits_indices=self.rows[:G])  # [G, V]
+        # captured=True: one shape per bucket, so SDPA may take cuDNN, planned once (DecoderModel.cudnn_attention_captured)
+        out = self.engine.model(self.ids[:, :G], self.positions[:, :G], attention, logits_indices=self.rows[:G],
+                                captured=True)  # [G, V]
         self.logits[:G].copy_(out)
         return self.logits[:G]
 
