@@ -211,7 +211,7 @@ def cudnn_sdpa(enabled: bool) -> Iterator[None]:
 class DecoderModel(nn.Module):
     """A decoder-only LM (Llama family or GPT-2) whose attention is supplied by the caller."""
 
-    # May SDPA pick its cuDNN backend (CUDA only; fp32 never runs on it)? Not in our forwards: on
+    # May SDPA pick its cuDNN backend (CUDA only; fp32 never runs on it)? Not in our eager forwards: on
     # an H200, stage 13's eager steps took 225 ms with it and 38 without, and stage 09's TPOT
     # under post 052's load was 23.3 ms against 8.9 (docs/results/cuda/worker-probe.*), a plan
     # built for each new shape the likely cause. vLLM and SGLang do not use SDPA by default on

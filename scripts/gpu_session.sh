@@ -86,8 +86,9 @@ step tests-s12-s13 - 80 env STAGEWISE_TEST_DEVICE=$DEVICE $PYTEST \
 # Item 2: where the worker's time goes under post 052's load, for the newest stage and stage 09.
 # At 3916404, with SDPA's cuDNN backend in use, stage 14's eager steps (each a new shape) took
 # 80 ms each, three quarters of its decode time, and with cuDNN off stage 09's TPOT p50 fell from
-# 23.3 to 8.9 ms. Our forwards leave cuDNN out since (DecoderModel.cudnn_attention): these two
-# probes measure that, and every bf16 result after them is measured again for the same reason.
+# 23.3 to 8.9 ms. Our eager forwards leave cuDNN out since (DecoderModel.cudnn_attention; the
+# forwards CUDA graphs capture keep it): these two probes measure that, and every bf16 result
+# after them is measured again for the same reason.
 step probe-s14-$G2 - 40 $PY -m common.cli worker-probe --stage 14 --preset post-052 --model $G2 --device $DEVICE \
     --json $RESULTS/worker-probe.s14_tensor_parallel.post-052.$G2.$DEVICE.json
 step probe-s09-$G2 - 40 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 --device $DEVICE \

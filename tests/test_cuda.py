@@ -234,7 +234,7 @@ def test_stage12_captures_replays_as_eager_and_close_gives_the_graphs_back(tiny_
 
 def test_s11_bf16_steps_never_run_cudnn_attention():
     """SDPA's cuDNN backend made an H200's eager steps several times slower (stage 13's took
-    225 ms with it, 38 without): our forwards leave it out (`DecoderModel.cudnn_attention`). A bf16
+    225 ms with it, 38 without): our eager forwards leave it out (`DecoderModel.cudnn_attention`). A bf16
     run of prefill chunks and decode steps on the post's model shape, where it was SDPA's pick,
     shows SDPA's other kernels and none of cuDNN's."""
     from torch.profiler import ProfilerActivity, profile

@@ -186,7 +186,7 @@ def test_live_sessions_never_share_a_block_and_every_block_comes_back(tiny, hf_g
 def test_request_that_can_never_fit_is_rejected_before_any_work(tiny):
     engine = InferenceEngine(tiny, block_size=4, num_kv_blocks=3)
     reqs = _requests(_prompts([3, 20], seed=4), [2, 4])  # the 2nd needs ceil(24 / 4) = 6 blocks
-    with pytest.raises(ValueError, match="kv"):
+    with pytest.raises(ValueError, match="^prompt: a request needs 6 KV blocks"):  # 20 + 1 tokens: 6 blocks, of 3
         engine.generate(reqs)
     _assert_pool_empty(engine)
     assert engine.kv_stats()["peak_blocks_in_use"] == 0

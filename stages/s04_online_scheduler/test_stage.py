@@ -171,7 +171,7 @@ def test_add_request_errors_leave_nothing_behind(tiny):
         sched.add_request(prompt_token_ids=b, max_new_tokens=5)
     with pytest.raises(ValueError, match="top_p"):
         sched.add_request("hi", top_p=2.0)
-    with pytest.raises(ValueError, match="kv"):
+    with pytest.raises(ValueError, match="^prompt: "):
         sched.add_request(prompt_token_ids=b * 3, max_new_tokens=1)  # can never fit in 5 blocks
     with pytest.raises(ValueError, match="request_id"):
         sched.add_request(prompt_token_ids=a, max_new_tokens=1, request_id=first)  # would orphan `first`
@@ -347,17 +347,18 @@ def test_bad_input_fails_only_that_request(tiny, hf_greedy):
     engine = InferenceEngine(tiny, block_size=4, num_kv_blocks=16)
     prompts = _prompts([5, 12, 3], seed=9)
     with SchedulerManager(engine, max_batch_size=4) as mgr:
-        good, bad = [], {}
+        good, bad = [], []  # (the field the error must start with, its handle)
         good.append(mgr.add_request(prompt_token_ids=prompts[0], max_new_tokens=6))
-        bad["prompt"] = mgr.add_request("")
-        bad["max_new_tokens"] = mgr.add_request("hi", max_new_tokens=0)
+        bad.append(("prompt", mgr.add_request("")))
+        bad.append(("max_new_tokens", mgr.add_request("hi", max_new_tokens=0)))
         good.append(mgr.add_request(prompt_token_ids=prompts[1], max_new_tokens=6))
-        bad["top_p"] = mgr.add_request("hi", params=SamplingParams(top_p=2.0))
-        bad["foo"] = mgr.add_request("hi", foo=1)  # unknown sampling keyword
-        bad["prompt_token_ids"] = mgr.add_request(prompt_token_ids=[5, len(tiny.tokenizer) + 7])
-        bad["kv"] = mgr.add_request(prompt_token_ids=prompts[1] * 6, max_new_tokens=2)  # 74 tokens > 64 slots
+        bad.append(("top_p", mgr.add_request("hi", params=SamplingParams(top_p=2.0))))
+        bad.append(("foo", mgr.add_request("hi", foo=1)))  # unknown sampling keyword
+        bad.append(("prompt_token_ids", mgr.add_request(prompt_token_ids=[5, len(tiny.tokenizer) + 7])))
+        bad.append(("prompt", mgr.add_request(prompt_token_ids=prompts[1] * 6, max_new_tokens=2)))  # 72 + 1 > 64 slots
+        bad.append(("max_new_tokens", mgr.add_request(prompt_token_ids=prompts[0], max_new_tokens=60)))  # 5 + 60 > 64
         good.append(mgr.add_request(prompt_token_ids=prompts[2], max_new_tokens=6))
-        for field, h in bad.items():
+        for field, h in bad:
             with pytest.raises(ValueError, match=rf"^{field}\b"):
                 h.result(timeout=30)
         for h, p in zip(good, prompts):

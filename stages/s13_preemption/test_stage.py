@@ -184,7 +184,7 @@ def test_randomized_submit_and_cancel_under_a_tiny_pool(enforce_eager, tiny, hf_
 
 def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny, hf_greedy) -> None:
     engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=4, enforce_eager=False)
-    with pytest.raises(ValueError, match="prompt needs 5 KV blocks"):
+    with pytest.raises(ValueError, match="^prompt: a request's prompt needs 5 KV blocks"):
         _run(engine, [_ids(16, seed=1)], [4])  # 16 + 1 tokens: 5 blocks of 4
     with pytest.raises(ValueError, match="max_new_tokens: request .* past the whole KV pool"):
         _run(engine, [_ids(3, seed=2), _ids(2, seed=5)], [40, 3])  # the first outgrows 16 tokens alone

@@ -249,11 +249,13 @@ class TensorParallel:
             with record_function("tensor_parallel::broadcast"):
                 dist.broadcast_object_list([message], src=0, group=self.control)
         except (RuntimeError, OSError) as exc:
-            # A rank this process did not start (torchrun's) has died: gloo finds its socket closed
-            # at once. Every later step fails with the same reason, as after any other abort.
+            # A rank has died since the check above: one this process started (failure() names
+            # it), or one it cannot watch (torchrun's), whose socket gloo finds closed at once.
+            # Every later step fails with the same reason, as after any other abort.
             if not self.broken:
-                self.abort(f"tensor parallel: the other ranks could not be reached, one has likely died "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+                why = self.failure() or (f"tensor parallel: the other ranks could not be reached, one has likely "
+                                         f"died ({type(exc).__name__}: {str(exc).partition(chr(10))[0][:200]})")
+                self.abort(f"{why}; the others were stopped" if self.workers else why)
             raise RuntimeError(self.broken) from exc
 
     def failure(self) -> str | None:
