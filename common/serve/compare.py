@@ -130,12 +130,17 @@ def start(cmd: list[str], url: str, log: Path, extra_env: dict[str, str] | None 
     raise SystemExit(f"serve-compare: {shlex.join(cmd)} did not answer /health in {START_TIMEOUT_S:g} s")
 
 
+STOP_GRACE_S = 15.0  # after SIGINT; then SIGKILL
+
+
 def stop(proc: subprocess.Popen) -> None:
-    """SIGINT (Ctrl-C: both shut down gracefully), then SIGKILL if it does not end."""
+    """SIGINT (Ctrl-C: each server shuts down gracefully), then SIGKILL if it has not ended in
+    STOP_GRACE_S. transformers serve (5.24, --continuous-batching) never ends by itself: uvicorn
+    finishes, but its batching thread keeps the process alive, so a longer grace only waits."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
