@@ -25,7 +25,7 @@ import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -239,10 +239,8 @@ class TensorParallel:
         if self.size == 1:
             return
         why = self.failure()
-        if why is not None:
-            if not self.broken:  # a rank died since the last step: stop the others, they wait in vain
-                self.abort(f"{why}; the others were stopped")
-            raise RuntimeError(self.broken)
+        if why is not None:  # a rank died since the last step: stop the others, they wait in vain
+            self._give_up(why)
         self.counts["broadcast"] += 1
         self.counts["broadcast_bytes"] += len(pickle.dumps(message))  # what the broadcast pickles and sends
         try:
@@ -251,12 +249,16 @@ class TensorParallel:
         except (RuntimeError, OSError) as exc:
             # A rank has died since the check above: one this process started (failure() names
             # it), or one it cannot watch (torchrun's), whose socket gloo finds closed at once.
-            # Every later step fails with the same reason, as after any other abort.
-            if not self.broken:
-                why = self.failure() or (f"tensor parallel: the other ranks could not be reached, one has likely "
-                                         f"died ({type(exc).__name__}: {str(exc).partition(chr(10))[0][:200]})")
-                self.abort(f"{why}; the others were stopped" if self.workers else why)
-            raise RuntimeError(self.broken) from exc
+            first_line = str(exc).partition("\n")[0][:200]
+            self._give_up(self.failure() or f"tensor parallel: the other ranks could not be reached, one has "
+                                             f"likely died ({type(exc).__name__}: {first_line})", exc)
+
+    def _give_up(self, why: str, cause: BaseException | None = None) -> NoReturn:
+        """Stop the ranks with `why`, unless something stopped them already, and raise the reason
+        they were stopped for: every later step fails with it too."""
+        if not self.broken:
+            self.abort(f"{why}; the others were stopped" if self.workers else why)
+        raise RuntimeError(self.broken) from cause
 
     def failure(self) -> str | None:
         """Why this group can run no more steps (a step was aborted, or a rank this process started
