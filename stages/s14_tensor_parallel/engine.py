@@ -95,12 +95,7 @@ class InferenceEngine:
         if self.tp.rank != 0:  # a follower: it runs rank 0's steps until rank 0 closes, then its process ends
             for t in self.pool.k + self.pool.v:
                 t.zero_()  # blocks are taken on rank 0: here every one starts at zero (see zero_if_fresh)
-            try:
-                with torch.inference_mode():
-                    self.tp.follow(lambda step: self._execute(step, self.graphs))
-            finally:
-                self.tp.close()
-            raise SystemExit(0)
+            self.tp.follow(lambda step: self._execute(step, self.graphs))
 
     def _build(self, loaded: LoadedModel, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                enforce_eager: bool | None, capture_size: int) -> None:
@@ -370,15 +365,7 @@ class InferenceEngine:
                 self.graph_steps += 1
             else:
                 self.eager_steps += 1
-            if self.tp.size == 1:
-                return self._execute(step, graphs)  # [B + M, V]
-            self.tp.send(step.cpu())
-            try:
-                return self._execute(step, graphs)
-            except BaseException as exc:  # the others may be inside this step's collectives: out of step for good
-                self.tp.abort(f"tensor parallel: a step failed on rank 0 ({type(exc).__name__}: {exc}); "
-                              "the other ranks were out of step and were stopped")
-                raise
+            return self.tp.lead(step, lambda: self._execute(step, graphs))  # [B + M, V]
 
     def _execute(self, step: Step, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Run one step's forward on this rank's share of the model and KV pool; logits [rows, V]

@@ -270,14 +270,33 @@ class TensorParallel:
                 return f"tensor parallel: rank {rank} died (exit code {p.exitcode})"
         return None
 
-    def follow(self, run: Callable[[Any], None]) -> None:
-        """The other ranks: run every step rank 0 sends, until it sends STOP (or dies)."""
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
-            if box[0] == STOP:
-                return
-            run(box[0])
+    def lead(self, step: Step, run: Callable[[], Tensor]) -> Tensor:
+        """Rank 0: send `step` to the other ranks, then `run` it here; its logits. If it fails
+        here, the others may be inside its collectives, out of step for good: they are stopped."""
+        if self.size == 1:
+            return run()
+        self.send(step.cpu())
+        try:
+            return run()
+        except BaseException as exc:
+            self.abort(f"tensor parallel: a step failed on rank 0 ({type(exc).__name__}: {exc}); "
+                       "the other ranks were out of step and were stopped")
+            raise
+
+    def follow(self, run: Callable[[Step], Any]) -> NoReturn:
+        """The other ranks: run every step rank 0 sends, until it sends STOP (or dies); then
+        leave the group and end the process."""
+        try:
+            with torch.inference_mode():
+                while True:
+                    box = [None]
+                    dist.broadcast_object_list(box, src=0, group=self.control)
+                    if box[0] == STOP:
+                        break
+                    run(box[0])
+        finally:
+            self.close()
+        raise SystemExit(0)
 
     def abort(self, reason: str) -> None:
         """Stop the ranks this process started, at once and without a collective: a step failed
