@@ -346,7 +346,8 @@ def rank_device(device: str) -> str:
 
 def _worker_main(env: dict[str, str], job: dict) -> None:
     """A rank that rank 0 started: the environment torchrun would give it, then the same engine,
-    which follows rank 0's steps inside its constructor and returns when rank 0 closes."""
+    which follows rank 0's steps inside its constructor and ends the process (SystemExit(0))
+    when rank 0 closes."""
     os.environ.update(env, STAGEWISE_TP_WORKER="1", LOCAL_RANK=env["RANK"])
     import importlib
 
