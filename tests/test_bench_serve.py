@@ -115,7 +115,13 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
         assert getattr(local, name) == getattr(remote, name), name
     assert served.no_prefix_cache and served.stream_interval == 1 and served.dtype == "float32"
     assert served.max_batch_size == served.prefill_max_batch_size == a.num_requests  # one burst, one prefill
+    assert served.max_queue_delay_ms == 200.0  # an idle worker waits for the whole burst
     assert not local.pretok
+    # At a rate (post 052's 50/s), requests are admitted as they come, as `stagewise serve` does.
+    paced = serve_overhead.build_parser().parse_args(["--model", "tiny", "--request-rate", "50"])
+    assert server.parse_args(serve_overhead._engine_flags(paced) + ["--model", "tiny"]).max_queue_delay_ms == 0.0
+    with pytest.raises(ValueError, match="--request-rate"):
+        serve_overhead.main(["--model", "tiny", "--request-rate", "0"])
 
 
 
@@ -153,15 +159,15 @@ def test_serve_overhead_figures() -> None:
 
 
 
-@pytest.mark.parametrize("where", ["--engine-process", "--no-engine-process"])
-def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str) -> None:
+@pytest.mark.parametrize("where,rate", [("--engine-process", []), ("--no-engine-process", ["--request-rate", "200"])])
+def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str, rate: list[str]) -> None:
     """End to end: the server thread, the engine in its own process or beside it, bench-serve
-    stepping through stdin, the JSON."""
+    stepping through stdin, a burst or requests at a rate on both sides, the JSON."""
     out = tmp_path / "serve.json"
     proc = subprocess.run([sys.executable, "-m", "common.cli", "serve-overhead", "--model", "tiny", "--device", "cpu",
                            "--dtype", "float32", "--num-requests", "4", "--max-batch-size", "4",
                            "--prefill-max-batch-size", "4", "--max-new-tokens", "3", "--warmup-runs", "1",
-                           "--repeat-runs", "2", where, "--json", str(out)],
+                           "--repeat-runs", "2", where, *rate, "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -176,4 +182,9 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str) -> None:
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
     assert result["env"]["git_commit"] and result["dtype"] == "float32" and result["dtype_reason"] == "asked: float32"
     assert result["engine_process"] is (where == "--engine-process") and result["config"]["engine_process"] is result["engine_process"]
+    if rate:  # both sides sent one request every 5 ms
+        assert result["bench_serve_config"]["request_rate"] == 200.0
+        assert all(r["submit_interval_ms"] == 5.0 for r in result["compare"][0]["runs"])
+    else:
+        assert result["bench_serve_config"]["request_rate"] == float("inf")
 

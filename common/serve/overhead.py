@@ -48,15 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--prompt", default="Hello")
-    p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests")
+    p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests, or --request-rate")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, evenly spaced, on both sides (default inf: one burst); post 052's is 50")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--prefill-max-batch-size", type=int, default=64)
     # An idle worker waits for the rest of a burst, so neither side splits it and the difference is
     # what HTTP costs. The quiet window is well above the arrival gaps seen over HTTP on a shared
     # 2-core CPU; it costs nothing here, because the burst fills the batch (--num-requests =
-    # --max-batch-size), which ends the wait.
-    p.add_argument("--max-queue-delay-ms", type=float, default=200.0, help="0: off")
+    # --max-batch-size), which ends the wait. Requests that arrive at a rate are admitted as they
+    # come, as `stagewise serve` does by default: the wait is off then.
+    p.add_argument("--max-queue-delay-ms", type=float, default=None, help="0: off (default: 200 for a burst, 0 at a rate)")
     p.add_argument("--queue-quiet-ms", type=float, default=50.0)
     p.add_argument("--warmup-runs", type=int, default=1, help="per side")
     p.add_argument("--repeat-runs", type=int, default=3, help="pairs of runs (one per side)")
@@ -76,11 +79,16 @@ def _workload_flags(a: argparse.Namespace) -> list[str]:
             "--max-new-tokens", str(a.max_new_tokens), "--no-stop-on-eos"]
 
 
+def _is_burst(a: argparse.Namespace) -> bool:
+    return a.request_rate == float("inf")
+
+
 def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The server's knobs (both sides use its manager); the prefix cache off, so every run does the same work."""
+    delay = a.max_queue_delay_ms if a.max_queue_delay_ms is not None else 200.0 if _is_burst(a) else 0.0
     flags = ["--device", a.device, "--max-batch-size", str(a.max_batch_size),
              "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1",
-             "--max-queue-delay-ms", str(a.max_queue_delay_ms), "--queue-quiet-ms", str(a.queue_quiet_ms),
+             "--max-queue-delay-ms", str(delay), "--queue-quiet-ms", str(a.queue_quiet_ms),
              "--worker-priority", a.worker_priority]
     return flags + (["--dtype", a.dtype] if a.dtype else [])
 
@@ -90,11 +98,14 @@ def record_token_timestamps(manager: Any) -> None:
     manager.record_token_timestamps = True
 
 
-def run_in_process(manager: Any, requests: list, timeout_s: float) -> dict:
-    """One in-process run where the manager lives: `add_request` from a thread of its process,
-    a consumer thread per request (with --engine-process, this runs in the engine's process)."""
+def run_in_process(manager: Any, requests: list, timeout_s: float, submit_interval_ms: float = 0.0) -> dict:
+    """One in-process run where the manager lives: `add_request` from a thread of its process
+    (all at once, or one every `submit_interval_ms` on an absolute schedule, as bench-serve's
+    `--request-rate` sends them), a consumer thread per request (with --engine-process, this
+    runs in the engine's process)."""
     from common.bench.streaming import run_streaming_once
-    summary, completions = run_streaming_once(manager, requests, timeout_s=timeout_s)
+    summary, completions = run_streaming_once(manager, requests, submit_interval_ms=submit_interval_ms,
+                                              submit_schedule="absolute", timeout_s=timeout_s)
     return {**summary, "intake_span_ms": intake_span_ms(completions)}
 
 
@@ -163,7 +174,8 @@ class StepClient:
     def __init__(self, a: argparse.Namespace, url: str, out: Path) -> None:
         from common.serve.bench import RUN_DONE
         self.done, self.out = RUN_DONE, out
-        cmd = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", url, *_workload_flags(a),
+        rate = [] if _is_burst(a) else ["--request-rate", f"{a.request_rate:g}", "--arrivals", "fixed"]
+        cmd = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", url, *_workload_flags(a), *rate,
                "--warmup-runs", str(a.warmup_runs), "--repeat-runs", str(a.repeat_runs), "--step-stdin",
                "--json", str(out)]
         print("$", " ".join(cmd[2:]), flush=True)
@@ -264,8 +276,10 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
         requests = bench_flags.workload_from_args(server.manager.engine.tokenizer, wargs)
         client = StepClient(a, server.url, tmp / "http.json")
 
+        interval_ms = 0.0 if _is_burst(a) else 1000.0 / a.request_rate
+
         def local_run() -> dict:
-            result = server.call(run_in_process, requests, a.timeout_s)
+            result = server.call(run_in_process, requests, a.timeout_s, interval_ms)
             server.handles.clear()  # HTTP's runs read the server's handles; these were in-process
             return result
 
@@ -316,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.repeat_runs < 1 or a.warmup_runs < 0:
         raise ValueError("--repeat-runs must be >= 1 and --warmup-runs >= 0")
+    if not a.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {a.request_rate:g}")
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-overhead-") as tmp:
         http, local, pairs, meta = run_paired(a, Path(tmp))
     http_entry = {k: v for k, v in http.items() if k != "env"}
