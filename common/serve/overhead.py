@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in pairs:
         print(f"pair ({p['first']} first): TTFT p50 net of prefill {p['ttft_p50_added_ms']:+.2f} ms "
               f"(raw {p['ttft_p50_added_raw_ms']:+.2f} ms), throughput {p['throughput_loss_pct']:+.1f}% lost; "
-              f"burst intake {p['intake_span_ms']['http']:.1f} ms over HTTP, {p['intake_span_ms']['in_process']:.1f} "
+              f"intake {p['intake_span_ms']['http']:.1f} ms over HTTP, {p['intake_span_ms']['in_process']:.1f} "
               f"ms in-process", flush=True)
     print(f"HTTP cost (median of {len(pairs)} pairs): completion throughput {figures['throughput_loss_pct']:+.1f}% "
           f"lost (target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
