@@ -120,8 +120,9 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
     # At a rate (post 052's 50/s), requests are admitted as they come, as `stagewise serve` does.
     paced = serve_overhead.build_parser().parse_args(["--model", "tiny", "--request-rate", "50"])
     assert server.parse_args(serve_overhead._engine_flags(paced) + ["--model", "tiny"]).max_queue_delay_ms == 0.0
-    with pytest.raises(ValueError, match="--request-rate"):
-        serve_overhead.main(["--model", "tiny", "--request-rate", "0"])
+    for bad in ("0", "-5", "nan"):
+        with pytest.raises(ValueError, match="--request-rate"):
+            serve_overhead.main(["--model", "tiny", "--request-rate", bad])
 
 
 
@@ -156,10 +157,14 @@ def test_serve_overhead_figures() -> None:
     both = overhead(http_run, local_run, pairs)
     assert both["ttft_p50_added_ms"] == pytest.approx(3.0) and both["throughput_loss_pct"] == pytest.approx(5.0)
     assert both["within_targets"] and both["pairs"] == pairs
+    # At a rate only throughput is judged: a request's wait for the step in flight swamps 5 ms.
+    slow_first = overhead({**http, "ttft_ms": {"p50": 300.0}}, local, burst=False)
+    assert slow_first["within_targets"] and "ttft_p50_added_ms" not in slow_first["targets"]
+    assert not overhead({**http, "throughput_tok_s": {"completion": 80.0}}, local, burst=False)["within_targets"]
 
 
 
-@pytest.mark.parametrize("where,rate", [("--engine-process", []), ("--no-engine-process", ["--request-rate", "200"])])
+@pytest.mark.parametrize("where,rate", [("--engine-process", ["--request-rate", "200"]), ("--no-engine-process", [])])
 def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str, rate: list[str]) -> None:
     """End to end: the server thread, the engine in its own process or beside it, bench-serve
     stepping through stdin, a burst or requests at a rate on both sides, the JSON."""
@@ -182,9 +187,15 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str, rate: li
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
     assert result["env"]["git_commit"] and result["dtype"] == "float32" and result["dtype_reason"] == "asked: float32"
     assert result["engine_process"] is (where == "--engine-process") and result["config"]["engine_process"] is result["engine_process"]
-    if rate:  # both sides sent one request every 5 ms
-        assert result["bench_serve_config"]["request_rate"] == 200.0
-        assert all(r["submit_interval_ms"] == 5.0 for r in result["compare"][0]["runs"])
+    if rate:  # both sides sent one request every 5 ms, on a fixed schedule: 3 gaps from first to last
+        http_config = result["bench_serve_config"]
+        assert http_config["request_rate"] == 200.0 and http_config["arrivals"] == "fixed"
+        assert all(r["submit_interval_ms"] == 5.0 and r["submit_schedule"] == "absolute"
+                   for r in result["compare"][0]["runs"])
+        for p in figures["pairs"]:
+            assert p["intake_span_ms"]["http"] >= 14.0 and p["intake_span_ms"]["in_process"] >= 14.0
+        assert result["config"]["max_queue_delay_ms"] == 0.0 and "ttft_p50_added_ms" not in figures["targets"]
     else:
         assert result["bench_serve_config"]["request_rate"] == float("inf")
+        assert result["config"]["max_queue_delay_ms"] == 200.0
 

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--prompt", default="Hello")
-    p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests, or --request-rate")
+    p.add_argument("--num-requests", type=int, default=64, help="requests a run: one burst, or sent at --request-rate")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, evenly spaced, on both sides (default inf: one burst); post 052's is 50")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _workload_flags(a: argparse.Namespace) -> list[str]:
-    """The workload both sides run: a burst of distinct prompts, fixed length (EOS ignored)."""
+    """The workload both sides run: distinct prompts, fixed length (EOS ignored); the schedule
+    (a burst, or `--request-rate`) is each side's own flag."""
     return ["--model", a.model, "--prompt", a.prompt, "--unique-prompts", "--num-requests", str(a.num_requests),
             "--max-new-tokens", str(a.max_new_tokens), "--no-stop-on-eos"]
 
@@ -83,12 +84,18 @@ def _is_burst(a: argparse.Namespace) -> bool:
     return a.request_rate == float("inf")
 
 
+def queue_delay_ms(a: argparse.Namespace) -> float:
+    """The idle worker's admission wait: as asked, else 200 ms for a burst and off at a rate."""
+    if a.max_queue_delay_ms is not None:
+        return a.max_queue_delay_ms
+    return 200.0 if _is_burst(a) else 0.0
+
+
 def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The server's knobs (both sides use its manager); the prefix cache off, so every run does the same work."""
-    delay = a.max_queue_delay_ms if a.max_queue_delay_ms is not None else 200.0 if _is_burst(a) else 0.0
     flags = ["--device", a.device, "--max-batch-size", str(a.max_batch_size),
              "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1",
-             "--max-queue-delay-ms", str(delay), "--queue-quiet-ms", str(a.queue_quiet_ms),
+             "--max-queue-delay-ms", str(queue_delay_ms(a)), "--queue-quiet-ms", str(a.queue_quiet_ms),
              "--worker-priority", a.worker_priority]
     return flags + (["--dtype", a.dtype] if a.dtype else [])
 
@@ -174,7 +181,7 @@ class StepClient:
     def __init__(self, a: argparse.Namespace, url: str, out: Path) -> None:
         from common.serve.bench import RUN_DONE
         self.done, self.out = RUN_DONE, out
-        rate = [] if _is_burst(a) else ["--request-rate", f"{a.request_rate:g}", "--arrivals", "fixed"]
+        rate = [] if _is_burst(a) else ["--request-rate", repr(a.request_rate), "--arrivals", "fixed"]
         cmd = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", url, *_workload_flags(a), *rate,
                "--warmup-runs", str(a.warmup_runs), "--repeat-runs", str(a.repeat_runs), "--step-stdin",
                "--json", str(out)]
@@ -199,8 +206,12 @@ class StepClient:
         return json.loads(self.out.read_text())
 
 
-def overhead(http: dict, local: dict, pairs: list[dict] | None = None) -> dict:
+def overhead(http: dict, local: dict, pairs: list[dict] | None = None, burst: bool = True) -> dict:
     """HTTP's cost, positive = HTTP is worse; and whether it stays inside the issue's targets.
+
+    At a rate (`burst=False`) only throughput is judged: a request that arrives during a decode
+    step waits for it (hundreds of milliseconds on a CPU, a different wait on each side of a
+    pair), and that swamps a 5 ms TTFT target. The TTFT figures are kept all the same.
 
     TTFT like for like: an HTTP client stamps the first token when it reads it, so the
     in-process side is read where its consumer thread gets the token (`ttft_received_ms`), not
@@ -217,14 +228,15 @@ def overhead(http: dict, local: dict, pairs: list[dict] | None = None) -> dict:
         loss = 100.0 * (1.0 - tput_http / tput_local) if tput_local else float("nan")
         added = http["ttft_ms"]["p50"] - local_ttft
     loop_cpu = [p["loop_cpu_us_per_request"] for p in pairs or [] if p.get("loop_cpu_us_per_request") is not None]
+    targets = TARGETS if burst else {"throughput_loss_pct": TARGETS["throughput_loss_pct"]}
     return {"throughput_loss_pct": loss, "ttft_p50_added_ms": added,
             "loop_cpu_us_per_request": statistics.median(loop_cpu) if loop_cpu else None,
             "throughput_completion_tok_s": {"http": tput_http, "in_process": tput_local},
             "ttft_p50_ms": {"http": http["ttft_ms"]["p50"], "in_process": local_ttft,
                             "in_process_sampled": local["ttft_ms"]["p50"]},
             "pairs": pairs or [], "method": "paired runs, median of differences" if pairs else "medians per side",
-            "targets": TARGETS, "within_targets": loss <= TARGETS["throughput_loss_pct"]
-            and added <= TARGETS["ttft_p50_added_ms"]}
+            "targets": targets, "within_targets": loss <= targets["throughput_loss_pct"]
+            and added <= targets.get("ttft_p50_added_ms", float("inf"))}
 
 
 def intake_span_ms(completions: list[Any]) -> float:
@@ -232,7 +244,9 @@ def intake_span_ms(completions: list[Any]) -> float:
 
     In-process, that is the submitter's loop over `add_request`; over HTTP, the event loop
     parsing and routing the burst one request after another, then `add_request` for each.
-    The burst's prefill starts after the last, so the difference is HTTP's intake cost."""
+    The burst's prefill starts after the last, so the difference is HTTP's intake cost. At a
+    rate the span is the schedule's on both sides (63 gaps of 20 ms at 50/s), a check that
+    both sides kept it."""
     stamps = [c.timings["submitted"] for c in completions]
     return 1000.0 * (max(stamps) - min(stamps))
 
@@ -332,19 +346,23 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--repeat-runs must be >= 1 and --warmup-runs >= 0")
     if not a.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {a.request_rate:g}")
+    a.max_queue_delay_ms = queue_delay_ms(a)  # the JSON's config records the wait used
+    burst = _is_burst(a)
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-overhead-") as tmp:
         http, local, pairs, meta = run_paired(a, Path(tmp))
     http_entry = {k: v for k, v in http.items() if k != "env"}
     print(format_comparison([http_entry, local]), flush=True)
-    figures = overhead(http_entry, local, pairs)
+    figures = overhead(http_entry, local, pairs, burst)
     for p in pairs:
+        intake = (f"; burst intake {p['intake_span_ms']['http']:.1f} ms over HTTP, "
+                  f"{p['intake_span_ms']['in_process']:.1f} ms in-process") if burst else ""
         print(f"pair ({p['first']} first): TTFT p50 net of prefill {p['ttft_p50_added_ms']:+.2f} ms "
-              f"(raw {p['ttft_p50_added_raw_ms']:+.2f} ms), throughput {p['throughput_loss_pct']:+.1f}% lost; "
-              f"intake {p['intake_span_ms']['http']:.1f} ms over HTTP, {p['intake_span_ms']['in_process']:.1f} "
-              f"ms in-process", flush=True)
+              f"(raw {p['ttft_p50_added_raw_ms']:+.2f} ms), throughput {p['throughput_loss_pct']:+.1f}% lost"
+              f"{intake}", flush=True)
+    ttft_target = f"target <= {TARGETS['ttft_p50_added_ms']:g} ms" if burst else "not judged at a rate"
     print(f"HTTP cost (median of {len(pairs)} pairs): completion throughput {figures['throughput_loss_pct']:+.1f}% "
           f"lost (target <= {TARGETS['throughput_loss_pct']:g}%), TTFT p50 {figures['ttft_p50_added_ms']:+.2f} ms "
-          f"(target <= {TARGETS['ttft_p50_added_ms']:g} ms); the event loop's CPU "
+          f"({ttft_target}); the event loop's CPU "
           f"{figures['loop_cpu_us_per_request']:.0f} us per request ({a.max_new_tokens} tokens each)", flush=True)
     if a.json:  # shaped like a bench JSON: the HTTP side on top, the in-process side under `compare`
         write_json(a.json, {"kind": "serve-overhead", "command": shlex.join(["stagewise", "serve-overhead", *argv]),
