@@ -342,10 +342,8 @@ def run_paired(a: argparse.Namespace, tmp: Path) -> tuple[dict, dict, list[dict]
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    if a.repeat_runs < 1 or a.warmup_runs < 0:
-        raise ValueError("--repeat-runs must be >= 1 and --warmup-runs >= 0")
-    if not a.request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {a.request_rate:g}")
+    from common.serve.bench import check_run_args
+    check_run_args(a)  # the workload bench-serve will get (runs, size, rate), before the model loads
     a.max_queue_delay_ms = queue_delay_ms(a)  # the JSON's config records the wait used
     burst = _is_burst(a)
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-overhead-") as tmp:
