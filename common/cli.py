@@ -56,7 +56,8 @@ def cmd_ladder(argv: list[str]) -> int:
 SUBPROGRAMS = {"serve": "common.serve.server", "bench-serve": "common.serve.bench", "serve-overhead": "common.serve.overhead",
                "serve-compare": "common.serve.compare", "stability": "common.bench.stability",
                "profile-decode": "common.bench.profile_decode", "profile-prefill": "common.bench.profile_prefill",
-               "parity": "common.bench.parity", "worker-probe": "common.bench.worker_probe"}
+               "parity": "common.bench.parity", "worker-probe": "common.bench.worker_probe",
+               "floor-curve": "common.bench.floor_curve"}
 
 
 def cmd_stages(_: argparse.Namespace) -> int:
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every stage's greedy tokens against transformers' generate (common/bench/parity.py)")
     sub.add_parser("worker-probe", add_help=False,
                    help="a streaming stage's bench with stopwatches on its worker (common/bench/worker_probe.py)")
+    sub.add_parser("floor-curve", add_help=False,
+                   help="the matmul floor at several batch sizes, in one process (common/bench/floor_curve.py)")
     return parser
 
 

@@ -1,0 +1,94 @@
+"""The matmul floor at several batch sizes, in one process: where batching stops paying.
+
+    stagewise floor-curve --batches 1,2,4,8,16,32,64 --rounds 3 \\
+        --json docs/results/cpu/floor-curve.cpu.json
+
+A decode step's matmuls (common/bench/floor.py) read every weight once, whatever the batch, and
+do arithmetic for every row. At one row a step is the weights' read; as rows are added the
+arithmetic grows until it, not the read, sets the time. The floor per row (`ms_per_row`) shows
+what batching buys: it falls fast while the read dominates and flattens once arithmetic does.
+It also bounds what more rows a step can give (stage 13): N times the rows give at most
+floor(b) x N / floor(N x b) the tokens a second, however lean the rest of the step.
+
+The batches are timed in rounds, every batch once a round, so that a machine whose speed drifts
+from minute to minute slows all of them alike; each batch's floor is the median of its rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from common.bench.flags import DTYPE_HELP, output_file
+from common.bench.floor import matmul_floor_ms
+
+
+def batch_list(text: str) -> list[int]:
+    """`--batches`: comma-separated batch sizes, each >= 1, no repeats, in the order given."""
+    try:
+        batches = [int(word) for word in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batches: {text!r} is not a comma-separated list of integers") from None
+    if not batches or min(batches) < 1 or len(set(batches)) != len(batches):
+        raise ValueError(f"--batches: every batch size must be >= 1 and given once, got {text!r}")
+    return batches
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stagewise floor-curve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes (rows of one token)")
+    p.add_argument("--rounds", type=int, default=3, help="times each batch is timed, all batches once a round")
+    p.add_argument("--json", type=output_file, default=None, metavar="PATH")
+    return p
+
+
+def measure(model: torch.nn.Module, batches: list[int], rounds: int) -> list[dict]:
+    """Each batch's floor samples (one a round, the batches in turn), median and cost per row."""
+    samples: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(rounds):
+        for b in batches:
+            samples[b].append(matmul_floor_ms(model, b))
+    out = []
+    for b in batches:
+        floor = statistics.median(samples[b])
+        out.append({"batch": b, "floor_ms": floor, "ms_per_row": floor / b, "samples_ms": samples[b]})
+    return out
+
+
+def format_curve(r: dict) -> str:
+    first = r["batches"][0]
+    lines = [f"=== matmul floor by batch: {r['model']} on {r['device']} ({r['dtype']}) ===",
+             f"Dtype: {r['dtype_reason']}",
+             f"Method: every batch once a round, {r['config']['rounds']} rounds in one process, medians",
+             f"{'batch':>6} {'floor ms':>10} {'ms / row':>10} {'x b' + str(first['batch']):>8}   samples (ms)"]
+    for row in r["batches"]:
+        samples = " ".join(f"{s:.1f}" for s in row["samples_ms"])
+        lines.append(f"{row['batch']:>6} {row['floor_ms']:>10.2f} {row['ms_per_row']:>10.2f} "
+                     f"{row['floor_ms'] / first['floor_ms']:>7.2f}x   {samples}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    batches = batch_list(a.batches)
+    if a.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {a.rounds}")
+    from common.loader import load_model
+
+    loaded = load_model(a.model, device=a.device, dtype=a.dtype)
+    result = {"kind": "floor-curve", "model": loaded.name, "device": str(loaded.device),
+              "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason,
+              "threads": torch.get_num_threads(), "config": vars(a),
+              "batches": measure(loaded.model, batches, a.rounds)}
+    from common.bench.results import print_and_write
+    return print_and_write("floor-curve", result, format_curve(result), a.json, argv)
+
+
+if __name__ == "__main__":  # as `stagewise floor-curve`: bad input is one line and status 2
+    from common.commands import run_command
+    sys.exit(run_command(main, "stagewise floor-curve"))

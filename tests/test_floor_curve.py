@@ -1,0 +1,49 @@
+"""`stagewise floor-curve` (common/bench/floor_curve.py): the matmul floor by batch, in rounds, in one process."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common import cli
+from common.bench import floor_curve
+
+
+def test_every_batch_is_timed_once_a_round_and_its_floor_is_the_median(monkeypatch) -> None:
+    calls: list[int] = []
+    times = iter([5.0, 9.0, 7.0, 10.0, 6.0, 30.0])  # round 1: b1, b4; round 2: b1, b4; round 3: b1, b4
+
+    def fake_floor(model, batch: int) -> float:
+        calls.append(batch)
+        return next(times)
+
+    monkeypatch.setattr(floor_curve, "matmul_floor_ms", fake_floor)
+    rows = floor_curve.measure(object(), [1, 4], rounds=3)
+    assert calls == [1, 4, 1, 4, 1, 4]  # interleaved: a drifting machine slows every batch alike
+    assert [r["samples_ms"] for r in rows] == [[5.0, 7.0, 6.0], [9.0, 10.0, 30.0]]
+    assert [r["floor_ms"] for r in rows] == [6.0, 10.0]
+    assert rows[1]["ms_per_row"] == pytest.approx(2.5)
+
+
+def test_floor_curve_on_tiny_writes_its_json(tmp_path, capsys) -> None:
+    out = tmp_path / "curve.json"
+    assert cli.main(["floor-curve", "--model", "tiny", "--batches", "1,8", "--rounds", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "floor-curve" and data["model"] == "tiny" and data["dtype"] == "float32"
+    assert [r["batch"] for r in data["batches"]] == [1, 8]
+    assert all(len(r["samples_ms"]) == 2 and r["floor_ms"] > 0 for r in data["batches"])
+    assert data["command"].startswith("stagewise floor-curve --model tiny") and data["env"]["git_commit"]
+    text = capsys.readouterr().out
+    assert "matmul floor by batch: tiny on cpu (float32)" in text and "2 rounds in one process" in text
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--batches", "1,x"], "--batches"), (["--batches", "0,4"], "--batches"), (["--batches", "4,4"], "--batches"),
+    (["--rounds", "0"], "--rounds"),
+])
+def test_bad_flags_are_refused_by_name_before_the_model_loads(argv, field, monkeypatch) -> None:
+    import common.loader
+
+    monkeypatch.setattr(common.loader, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(ValueError, match=f"^{field}"):
+        floor_curve.main(["--model", "tiny", *argv])
