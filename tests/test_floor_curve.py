@@ -13,7 +13,8 @@ def test_every_batch_is_timed_once_a_round_and_its_floor_is_the_median(monkeypat
     calls: list[int] = []
     times = iter([5.0, 9.0, 7.0, 10.0, 6.0, 30.0])  # round 1: b1, b4; round 2: b1, b4; round 3: b1, b4
 
-    def fake_floor(model, batch: int) -> float:
+    def fake_floor(model, batch: int, **timing) -> float:
+        assert timing == {"min_time_s": 0.3}  # each sample as the benches' floor takes it
         calls.append(batch)
         return next(times)
 
@@ -32,13 +33,26 @@ def test_floor_curve_on_tiny_writes_its_json(tmp_path, capsys) -> None:
     assert data["kind"] == "floor-curve" and data["model"] == "tiny" and data["dtype"] == "float32"
     assert [r["batch"] for r in data["batches"]] == [1, 8]
     assert all(len(r["samples_ms"]) == 2 and r["floor_ms"] > 0 for r in data["batches"])
+    assert data["batches"][1]["ms_per_row"] == pytest.approx(data["batches"][1]["floor_ms"] / 8)
     assert data["command"].startswith("stagewise floor-curve --model tiny") and data["env"]["git_commit"]
     text = capsys.readouterr().out
     assert "matmul floor by batch: tiny on cpu (float32)" in text and "2 rounds in one process" in text
 
 
+def test_the_report_gives_each_batch_its_cost_per_row_and_its_floor_against_the_first() -> None:
+    result = {"model": "m", "device": "cpu", "dtype": "float32", "dtype_reason": "asked: float32", "config": {"rounds": 2},
+              "batches": [{"batch": 2, "floor_ms": 10.0, "ms_per_row": 5.0, "samples_ms": [9.0, 11.0]},
+                          {"batch": 8, "floor_ms": 25.0, "ms_per_row": 3.125, "samples_ms": [25.0, 25.0]}]}
+    lines = floor_curve.format_curve(result).splitlines()
+    assert lines[0] == "=== matmul floor by batch: m on cpu (float32) ==="
+    assert "2 rounds in one process" in lines[2] and "x b2" in lines[3]
+    assert lines[4].split() == ["2", "10.00", "5.00", "1.00x", "9.0", "11.0"]
+    assert lines[5].split() == ["8", "25.00", "3.12", "2.50x", "25.0", "25.0"]
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--batches", "1,x"], "--batches"), (["--batches", "0,4"], "--batches"), (["--batches", "4,4"], "--batches"),
+    (["--batches", ""], "--batches"), (["--batches", "-2"], "--batches"),
     (["--rounds", "0"], "--rounds"),
 ])
 def test_bad_flags_are_refused_by_name_before_the_model_loads(argv, field, monkeypatch) -> None:

@@ -1,17 +1,19 @@
 """The matmul floor at several batch sizes, in one process: where batching stops paying.
 
-    stagewise floor-curve --batches 1,2,4,8,16,32,64 --rounds 3 \\
-        --json docs/results/cpu/floor-curve.cpu.json
+    stagewise floor-curve --batches 1,2,4,7,8,16,32,64 --rounds 5 --dtype float32 \\
+        --json docs/results/machines/xeon-6-85/floor-curve.cpu.json
 
 A decode step's matmuls (common/bench/floor.py) read every weight once, whatever the batch, and
 do arithmetic for every row. At one row a step is the weights' read; as rows are added the
 arithmetic grows until it, not the read, sets the time. The floor per row (`ms_per_row`) shows
 what batching buys: it falls fast while the read dominates and flattens once arithmetic does.
-It also bounds what more rows a step can give (stage 13): N times the rows give at most
-floor(b) x N / floor(N x b) the tokens a second, however lean the rest of the step.
+It also says what more rows can give (stage 13): with steps of nothing but matmuls, N times
+the rows give N x floor(b) / floor(N x b) the tokens a second. A real step's costs that grow
+with the rows (attention over their context) take from that; a fixed cost per step adds to it.
 
 The batches are timed in rounds, every batch once a round, so that a machine whose speed drifts
 from minute to minute slows all of them alike; each batch's floor is the median of its rounds.
+Each sample is `matmul_floor_ms` as the benches take it (FloorSampler: at least 0.3 s of steps).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import sys
 
 import torch
 
+import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import DTYPE_HELP, output_file
 from common.bench.floor import matmul_floor_ms
 
@@ -31,7 +34,7 @@ def batch_list(text: str) -> list[int]:
         batches = [int(word) for word in text.split(",")]
     except ValueError:
         raise ValueError(f"--batches: {text!r} is not a comma-separated list of integers") from None
-    if not batches or min(batches) < 1 or len(set(batches)) != len(batches):
+    if min(batches) < 1 or len(set(batches)) != len(batches):
         raise ValueError(f"--batches: every batch size must be >= 1 and given once, got {text!r}")
     return batches
 
@@ -52,7 +55,7 @@ def measure(model: torch.nn.Module, batches: list[int], rounds: int) -> list[dic
     samples: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(rounds):
         for b in batches:
-            samples[b].append(matmul_floor_ms(model, b))
+            samples[b].append(matmul_floor_ms(model, b, min_time_s=0.3))
     out = []
     for b in batches:
         floor = statistics.median(samples[b])
@@ -61,6 +64,7 @@ def measure(model: torch.nn.Module, batches: list[int], rounds: int) -> list[dic
 
 
 def format_curve(r: dict) -> str:
+    """The printed table: each batch's floor, its cost per row, and the floor against the first batch's."""
     first = r["batches"][0]
     lines = [f"=== matmul floor by batch: {r['model']} on {r['device']} ({r['dtype']}) ===",
              f"Dtype: {r['dtype_reason']}",
