@@ -12,8 +12,9 @@ the rows give N x floor(b) / floor(N x b) the tokens a second. A real step's cos
 with the rows (attention over their context) take from that; a fixed cost per step adds to it.
 
 The batches are timed in rounds, every batch once a round, so that a machine whose speed drifts
-from minute to minute slows all of them alike; each batch's floor is the median of its rounds.
-Each sample is `matmul_floor_ms` as the benches take it (FloorSampler: at least 0.3 s of steps).
+from minute to minute slows all of them alike (each round starts one batch further on); each
+batch's floor is the median of its rounds. Each sample is `matmul_floor_ms` as the benches take
+it (FloorSampler: at least 0.3 s of steps).
 """
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def measure(model: torch.nn.Module, batches: list[int], rounds: int) -> list[dict]:
-    """Each batch's floor samples (one a round, the batches in turn), median and cost per row."""
+    """Each batch's floor samples (one a round, the batches in turn), median and cost per row.
+    Each round starts one batch further on, so no batch always follows the same one (the largest
+    leaves the caches and the clock as the next finds them)."""
     samples: dict[int, list[float]] = {b: [] for b in batches}
-    for _ in range(rounds):
-        for b in batches:
+    for r in range(rounds):
+        for b in batches[r % len(batches):] + batches[:r % len(batches)]:
             samples[b].append(matmul_floor_ms(model, b, min_time_s=0.3))
     out = []
     for b in batches:
