@@ -29,6 +29,7 @@ Inline directives (anywhere in a line, e.g. a table cell):
     <!-- bench-ratio: docs/results/X.json KEY docs/results/Y.json KEY -->          the same across two files
     <!-- bench-range: docs/results/X.json KEY docs/results/Y.json KEY ... [%] -->  "LOW to HIGH" over results
     <!-- bench-range: docs/results/X.json overhead.pairs.*.ttft_ms -->              ... over a list's items
+    <!-- bench-range: docs/results/X.json floor_samples_ms.* -->                    ... a list of numbers' own
     <!-- bench-median: docs/results/X.json overhead.pairs.*.ttft_ms -->             their median
     <!-- bench-count: docs/results/X.json overhead.pairs.*.ttft_ms > 10 -->         "N of M" items over 10
     <!-- bench-count: docs/results/X.json pairs.*.x < docs/results/Y.json pairs.*.x -->  ... under Y's median
