@@ -187,13 +187,14 @@ def test_serve_overhead_runs_paired_on_tiny(tmp_path: Path, where: str, rate: li
     assert result["completion_tokens"] == 4 * 3 and result["compare"][0]["completion_tokens"] == 4 * 3
     assert result["env"]["git_commit"] and result["dtype"] == "float32" and result["dtype_reason"] == "asked: float32"
     assert result["engine_process"] is (where == "--engine-process") and result["config"]["engine_process"] is result["engine_process"]
-    if rate:  # both sides sent one request every 5 ms, on a fixed schedule: 3 gaps from first to last
+    if rate:  # both sides sent one request every 5 ms, on a fixed schedule: 3 gaps, 15 ms from first to last
         http_config = result["bench_serve_config"]
         assert http_config["request_rate"] == 200.0 and http_config["arrivals"] == "fixed"
         assert all(r["submit_interval_ms"] == 5.0 and r["submit_schedule"] == "absolute"
                    for r in result["compare"][0]["runs"])
-        for p in figures["pairs"]:
-            assert p["intake_span_ms"]["http"] >= 14.0 and p["intake_span_ms"]["in_process"] >= 14.0
+        for p in figures["pairs"]:  # spread out, not a burst (4 requests in a few ms); the first one, on a
+            # fresh connection, may reach the server a ms or two late (13.8 ms was seen on a 2-core CI machine)
+            assert p["intake_span_ms"]["http"] >= 10.0 and p["intake_span_ms"]["in_process"] >= 10.0
         assert result["config"]["max_queue_delay_ms"] == 0.0 and "ttft_p50_added_ms" not in figures["targets"]
     else:
         assert result["bench_serve_config"]["request_rate"] == float("inf")
