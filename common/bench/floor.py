@@ -47,13 +47,15 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repeats: int = 30,
-                    min_time_s: float = 0.0, lm_head_rows: int | None = None) -> float:
+                    min_time_s: float = 0.0, lm_head_rows: int | None = None, packed: bool = True) -> float:
     """Median time (ms) of one decode step's matmuls alone, on [batch, in] inputs of the model's
     dtype and device. Inputs are made once, outside the timing; each matmul gets its own input
     (as in the decoder, where every projection reads a fresh activation). At least `repeats`
     timed steps, more until `min_time_s` has passed (a tiny model's step is too short for 30).
     `lm_head_rows`: rows of the last product, the lm_head, where they differ from `batch` (a
-    prefill of `batch` tokens projects only its last row onto the vocabulary)."""
+    prefill of `batch` tokens projects only its last row onto the vocabulary). `packed=False`
+    times `F.linear` on the same weights, where the model packed them for oneDNN (common/linear.py):
+    which of the two is faster at which batch is the machine's (`stagewise floor-curve --matmul`)."""
     if batch < 1 or repeats < 1 or (lm_head_rows is not None and lm_head_rows < 1):
         raise ValueError("batch, repeats and lm_head_rows: must be >= 1")
     mats = decode_matmuls(model)
@@ -64,8 +66,8 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     inputs = [torch.randn(n, w.shape[1], generator=gen).to(device=device, dtype=dtype) for n, (w, _, _) in zip(rows, mats)]
 
     def step() -> None:
-        for x, (w, b, packed) in zip(inputs, mats):
-            linear(x, w, b, packed)
+        for x, (w, b, pw) in zip(inputs, mats):
+            linear(x, w, b, pw if packed else None)
 
     return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
 

@@ -29,6 +29,10 @@ from common.bench.flags import DTYPE_HELP, output_file
 from common.bench.floor import matmul_floor_ms
 
 
+MATMUL_WORDS = {"model": "as the model runs them (common/linear.py)", "F.linear": "through F.linear",
+                "both": "as the model runs them (floor ms), and through F.linear, back to back"}
+
+
 def batch_list(text: str) -> list[int]:
     """`--batches`: comma-separated batch sizes, each >= 1, no repeats, in the order given."""
     try:
@@ -47,22 +51,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes (rows of one token)")
     p.add_argument("--rounds", type=int, default=3, help="times each batch is timed, all batches once a round")
+    p.add_argument("--matmul", choices=("model", "F.linear", "both"), default="model",
+                   help="the products as the model runs them (on a CPU, weights packed for oneDNN where "
+                        "common/linear.py packs them), through F.linear, or both in turn")
     p.add_argument("--json", type=output_file, default=None, metavar="PATH")
     return p
 
 
-def measure(model: torch.nn.Module, batches: list[int], rounds: int) -> list[dict]:
+def measure(model: torch.nn.Module, batches: list[int], rounds: int, matmul: str = "model") -> list[dict]:
     """Each batch's floor samples (one a round, the batches in turn), median and cost per row.
     Each round starts one batch further on, so no batch always follows the same one (the largest
-    leaves the caches and the clock as the next finds them)."""
-    samples: dict[int, list[float]] = {b: [] for b in batches}
+    leaves the caches and the clock as the next finds them). `matmul="both"` times the model's
+    products and F.linear's back to back, each first in every other round: `f_linear_ms` beside
+    `floor_ms`, and their ratio."""
+    paths = {"model": [True], "F.linear": [False], "both": [True, False]}[matmul]
+    samples: dict[tuple[int, bool], list[float]] = {(b, p): [] for b in batches for p in paths}
     for r in range(rounds):
         for b in batches[r % len(batches):] + batches[:r % len(batches)]:
-            samples[b].append(matmul_floor_ms(model, b, min_time_s=0.3))
+            for p in (paths if r % 2 == 0 else paths[::-1]):
+                samples[b, p].append(matmul_floor_ms(model, b, min_time_s=0.3, packed=p))
     out = []
     for b in batches:
-        floor = statistics.median(samples[b])
-        out.append({"batch": b, "floor_ms": floor, "ms_per_row": floor / b, "samples_ms": samples[b]})
+        first = samples[b, paths[0]]
+        row = {"batch": b, "floor_ms": statistics.median(first), "samples_ms": first}
+        row["ms_per_row"] = row["floor_ms"] / b
+        if len(paths) == 2:
+            row["f_linear_ms"] = statistics.median(samples[b, False])
+            row["f_linear_samples_ms"] = samples[b, False]
+            row["f_linear_vs_model"] = row["f_linear_ms"] / row["floor_ms"]
+        out.append(row)
     return out
 
 
@@ -72,11 +89,14 @@ def format_curve(r: dict) -> str:
     lines = [f"=== matmul floor by batch: {r['model']} on {r['device']} ({r['dtype']}) ===",
              f"Dtype: {r['dtype_reason']}",
              f"Method: every batch once a round, {r['config']['rounds']} rounds in one process, medians",
-             f"{'batch':>6} {'floor ms':>10} {'ms / row':>10} {'x b' + str(first['batch']):>8}   samples (ms)"]
+             f"Products: {MATMUL_WORDS[r['config']['matmul']]}",
+             f"{'batch':>6} {'floor ms':>10} {'ms / row':>10} {'x b' + str(first['batch']):>8}"
+             + (f" {'F.linear ms':>12} {'F / model':>10}" if "f_linear_ms" in first else "") + "   samples (ms)"]
     for row in r["batches"]:
         samples = " ".join(f"{s:.1f}" for s in row["samples_ms"])
+        both = f" {row['f_linear_ms']:>12.2f} {row['f_linear_vs_model']:>9.2f}x" if "f_linear_ms" in row else ""
         lines.append(f"{row['batch']:>6} {row['floor_ms']:>10.2f} {row['ms_per_row']:>10.2f} "
-                     f"{row['floor_ms'] / first['floor_ms']:>7.2f}x   {samples}")
+                     f"{row['floor_ms'] / first['floor_ms']:>7.2f}x{both}   {samples}")
     return "\n".join(lines)
 
 
@@ -91,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"kind": "floor-curve", "model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason,
               "threads": torch.get_num_threads(), "config": vars(a),
-              "batches": measure(loaded.model, batches, a.rounds)}
+              "batches": measure(loaded.model, batches, a.rounds, a.matmul)}
     from common.bench.results import print_and_write
     return print_and_write("floor-curve", result, format_curve(result), a.json, argv)
 
