@@ -7,8 +7,8 @@ oneDNN's matmul with the weight reordered into its format ONCE, at load time, di
 decode-sized products about 2x faster on this 2-core AMD EPYC (Zen 4): SmolLM2's projections
 for 16 one-token rows in 27 ms instead of 57. At prefill sizes (hundreds to thousands of rows)
 the repacking is a small share of the call, and the two paths ran within about 15% of each
-other, either way, in micro-benchmarks on different days. At one or two rows it is not so
-everywhere: on a 2-core Xeon without bf16 units (family/model 6/85) `F.linear` did them in
+other, either way, in micro-benchmarks on different days. Packing does not win at one or two
+rows everywhere: on a 2-core Xeon without bf16 units (family/model 6/85) `F.linear` did them in
 0.7-0.8x the packed time, and 4 to 16 rows in 1.8-2.7x (`stagewise floor-curve --matmul both`,
 docs/metrics.md). The weights stay packed at every size. It is what
 PyTorch's own compiler emits for a linear layer whose weight it may freeze

@@ -414,6 +414,7 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
     (tmp_path / "s.json").write_text(json.dumps({"samples": [2.5, 1.5, 4.0], "one": 3, "rows": [{"s": [7, 5]}]}))
     assert results.render_bench_range(tmp_path, "s.json samples.*") == "1.50 to 4.00"  # a list of numbers' items
     assert results.render_bench_range(tmp_path, "s.json rows.0.s.*") == "5 to 7"
+    assert results.render_bench_range(tmp_path, "s.json rows.*.s.*") == "5 to 7"  # each item's list, walked
     with pytest.raises(results.DocsError, match="'one' is not a list"):
         results.render_bench_range(tmp_path, "s.json one.*")
     assert results.render_bench_value(tmp_path, 'n.json "=-(runs.0.p.0.x - 1)"') == "0"  # not "−0"

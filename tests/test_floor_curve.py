@@ -20,7 +20,7 @@ def test_every_batch_is_timed_once_a_round_and_its_floor_is_the_median(monkeypat
 
     monkeypatch.setattr(floor_curve, "matmul_floor_ms", fake_floor)
     rows = floor_curve.measure(object(), [1, 4], rounds=3)
-    assert calls == [1, 4, 4, 1, 1, 4]  # interleaved, each round one batch further on
+    assert calls == [1, 4, 4, 1, 1, 4]  # interleaved, every other round backwards
     assert [r["samples_ms"] for r in rows] == [[5.0, 7.0, 6.0], [9.0, 10.0, 30.0]]
     assert [r["floor_ms"] for r in rows] == [6.0, 10.0]
     assert rows[1]["ms_per_row"] == pytest.approx(2.5)
@@ -36,12 +36,27 @@ def test_both_products_are_timed_back_to_back_each_first_in_turn(monkeypatch) ->
     monkeypatch.setattr(floor_curve, "matmul_floor_ms", fake_floor)
     rows = floor_curve.measure(object(), [1, 4], rounds=2, matmul="both")
     assert calls == [(1, True), (1, False), (4, True), (4, False),  # round 1: the model's products first
-                     (4, False), (4, True), (1, False), (1, True)]  # round 2: one batch on, F.linear first
+                     (4, False), (4, True), (1, False), (1, True)]  # round 2: backwards, F.linear first
     assert rows[0]["floor_ms"] == 8.0 and rows[0]["f_linear_ms"] == 6.0 and rows[0]["f_linear_vs_model"] == 0.75
     assert rows[1]["f_linear_samples_ms"] == [6.0, 6.0] and rows[1]["ms_per_row"] == 2.0
     calls.clear()
     only = floor_curve.measure(object(), [2], rounds=1, matmul="F.linear")
     assert calls == [(2, False)] and only[0]["floor_ms"] == 6.0 and "f_linear_ms" not in only[0]
+
+
+def test_the_floor_through_f_linear_hands_linear_no_packed_weight(monkeypatch) -> None:
+    from common.bench import floor
+    from common.loader import load_model
+
+    model = load_model("tiny", device="cpu", dtype="float32").model
+    seen: list[bool] = []
+    real = floor.linear
+    monkeypatch.setattr(floor, "linear", lambda x, w, b, packed: seen.append(packed is None) or real(x, w, b, packed))
+    floor.matmul_floor_ms(model, 2, warmup=0, repeats=1, packed=False)  # one step: one call a matmul
+    assert seen == [True] * len(floor.decode_matmuls(model))
+    seen.clear()
+    floor.matmul_floor_ms(model, 2, warmup=0, repeats=1)  # the model's own: packed where it packed them
+    assert seen == [pw is None for _, _, pw in floor.decode_matmuls(model)]
 
 
 def test_floor_curve_on_tiny_writes_its_json(tmp_path, capsys) -> None:

@@ -12,7 +12,7 @@ the rows give N x floor(b) / floor(N x b) the tokens a second. A real step's cos
 with the rows (attention over their context) take from that; a fixed cost per step adds to it.
 
 The batches are timed in rounds, every batch once a round, so that a machine whose speed drifts
-from minute to minute slows all of them alike (each round starts one batch further on); each
+from minute to minute slows all of them alike (every other round backwards); each
 batch's floor is the median of its rounds. Each sample is `matmul_floor_ms` as the benches take
 it (FloorSampler: at least 0.3 s of steps).
 """
@@ -60,14 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(model: torch.nn.Module, batches: list[int], rounds: int, matmul: str = "model") -> list[dict]:
     """Each batch's floor samples (one a round, the batches in turn), median and cost per row.
-    Each round starts one batch further on, so no batch always follows the same one (the largest
-    leaves the caches and the clock as the next finds them). `matmul="both"` times the model's
-    products and F.linear's back to back, each first in every other round: `f_linear_ms` beside
-    `floor_ms`, and their ratio."""
+    Every other round runs backwards, so a batch does not always come right after the same one
+    (the largest leaves the caches and the clock as the next finds them). `matmul="both"` times
+    the model's products and F.linear's back to back, each first in every other round:
+    `f_linear_ms` beside `floor_ms`, and their ratio."""
     paths = {"model": [True], "F.linear": [False], "both": [True, False]}[matmul]
     samples: dict[tuple[int, bool], list[float]] = {(b, p): [] for b in batches for p in paths}
     for r in range(rounds):
-        for b in batches[r % len(batches):] + batches[:r % len(batches)]:
+        for b in (batches if r % 2 == 0 else batches[::-1]):
             for p in (paths if r % 2 == 0 else paths[::-1]):
                 samples[b, p].append(matmul_floor_ms(model, b, min_time_s=0.3, packed=p))
     out = []
@@ -89,7 +89,7 @@ def format_curve(r: dict) -> str:
     lines = [f"=== matmul floor by batch: {r['model']} on {r['device']} ({r['dtype']}) ===",
              f"Dtype: {r['dtype_reason']}",
              f"Method: every batch once a round, {r['config']['rounds']} rounds in one process, medians",
-             f"Products: {MATMUL_WORDS[r['config']['matmul']]}",
+             f"Products: {MATMUL_WORDS[r['config'].get('matmul', 'model')]}",
              f"{'batch':>6} {'floor ms':>10} {'ms / row':>10} {'x b' + str(first['batch']):>8}"
              + (f" {'F.linear ms':>12} {'F / model':>10}" if "f_linear_ms" in first else "") + "   samples (ms)"]
     for row in r["batches"]:

@@ -510,12 +510,12 @@ def _quantities(data: Any, key: str, path: str) -> list[float]:
     """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms', or
     a list of numbers' own items, 'floor_samples_ms.*'; in arithmetic every '*' takes the same
     item: '=pairs.*.a - pairs.*.b'."""
-    if key.endswith(".*") and not key.startswith("="):
+    m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
+    if m is None and key.endswith(".*") and not key.startswith("="):
         items = lookup(data, key[:-2], path)
         if not isinstance(items, list) or not items:
             raise DocsError(f"{path}: {key[:-2]!r} is not a list to take '*' over")
         return [_quantity(data, f"{key[:-2]}.{i}", path) for i in range(len(items))]
-    m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
     if m is None:
         return [_quantity(data, key, path)]
     head = m.group(1)
