@@ -124,6 +124,9 @@ step probe-s13-no-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --d
     --json $RESULTS/worker-probe.s13_preemption.no-cudnn.$DEVICE.json
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
+# Every stage's fp32 tokens against transformers' on SmolLM2 (the last parity file, at e5514d9,
+# predates stages 12 to 14): the issue's correctness target, so it comes before the speed steps.
+step parity-fp32 smollm2 220 $RERUN --only parity.fp32
 step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
     --json $RESULTS/s12_cuda_graphs.$DEVICE.json
 step probe-s13-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --device $DEVICE --cudnn-attention \
@@ -170,7 +173,6 @@ step ladder-random-lengths-32x16-$G2 - 200 $PY -m common.cli ladder --workload r
 # Measured at e5514d9: again at the newest commit, so every file comes from one.
 step ladder-decode-step-$G2 - 170 $PY -m common.cli ladder --workload decode-step --stages 2,3,9,11 \
     --model $G2 --device $DEVICE --rounds 1 --repeat-runs 1 --tag decode-step.$G2 --out $RESULTS
-step parity-fp32 smollm2 180 $RERUN --only parity.fp32
 step parity-bf16 smollm2 150 $RERUN --only parity.bf16
 step bench-s09 smollm2 100 $RERUN --only s09_batched_worker_lookups.cpu
 step bench-s08 smollm2 80 $RERUN --only s08_token_id_cache_keys.cpu
