@@ -68,3 +68,27 @@ def test_a_request_whose_completion_fails_ends_with_the_error(package, tiny):
             manager.add_request("Hello", max_new_tokens=4, temperature=0.0).result(timeout=30)
         assert len(manager.add_request("Hi", max_new_tokens=4, temperature=0.0).result(timeout=30).token_ids) == 4
         assert not manager.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_a_request_an_idle_pool_refuses_ends_with_an_error_naming_max_new_tokens(package, tiny):
+    """The engine refuses at once what can never fit (`new_session` names the field), so an idle
+    pool refusing a booking should not happen; if it does, nothing will ever free blocks for that
+    request. It must end with an error a client can act on (the HTTP layer turns a message that
+    starts with a field into that field's 400), not wait forever, and the next request runs."""
+    stage = registry.load_stage(package)
+    engine = stage.InferenceEngine(tiny, max_batch_size=4)
+    real, calls = engine.reserve, []
+
+    def refuses_once(session, *args, **kwargs):
+        calls.append(session)
+        if len(calls) == 1:
+            raise stage.OutOfKVBlocks("forced: the pool refuses while idle")
+        return real(session, *args, **kwargs)
+
+    engine.reserve = refuses_once
+    with stage.SchedulerManager(engine, max_batch_size=4) as manager:
+        with pytest.raises(ValueError, match=r"^max_new_tokens: request .* even when it is idle"):
+            manager.add_request("Hello", max_new_tokens=4, temperature=0.0).result(timeout=30)
+        assert len(manager.add_request("Hi", max_new_tokens=4, temperature=0.0).result(timeout=30).token_ids) == 4
+        assert not manager.scheduler.has_unfinished()

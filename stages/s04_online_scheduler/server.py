@@ -207,7 +207,9 @@ class SchedulerManager:
                                            submitted=p.timings["submitted"])
             except OutOfKVBlocks:
                 if not self.scheduler.has_unfinished():  # nothing will ever free blocks for it
-                    self._fail(p.request_id, ValueError(f"kv cache: request {p.request_id} does not fit in the KV pool"))
+                    self._fail(p.request_id, ValueError(
+                        f"max_new_tokens: request {p.request_id} does not fit in the KV pool even when it is idle; "
+                        "lower it or raise num_kv_blocks"))
                     continue
                 self._waiting.append(p)  # waits for running requests to free blocks
                 continue
