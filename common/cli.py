@@ -21,7 +21,7 @@ import sys
 
 from common import stages as registry
 from common.commands import run_command
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import add_model_args
 
 
 def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -103,9 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with one stage's engine")
     gen.add_argument("prompt")
     gen.add_argument("--stage", default=str(max(registry.STAGES)), help="stage number or name (default: newest)")
-    gen.add_argument("--model", default="smollm2-135m")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

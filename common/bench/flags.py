@@ -9,6 +9,7 @@ workload flag or engine knob means the same thing everywhere.
   the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
   `--preset`) as defaults;
+- `add_model_args`: `--model`, `--device` and `--dtype`, for every command that loads a model;
 - `output_file` and `output_dir`: the argparse types of every `--json` and `--out`.
 """
 from __future__ import annotations
@@ -26,6 +27,13 @@ from common.bench.workloads import build_workload
 # --dtype of every command (common.loader.choose_dtype does the picking)
 DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU with bf16 matmul units) | "
               "float32 | bfloat16 | float16; default: bfloat16 on CUDA, float32 on a CPU")
+
+
+def add_model_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--model, --device and --dtype, the same in every command that loads a model."""
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
 
 
 def _check_writable(path: Path, want_dir: bool) -> None:
@@ -174,9 +182,7 @@ def manager_knobs(args: argparse.Namespace) -> dict:
 def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark a stage (see docs: method).")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    g.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(g)
     g.add_argument("--seed", type=int, default=0, help="workload RNG and torch seed")
     g = p.add_argument_group("workload")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,

@@ -25,7 +25,7 @@ import sys
 import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP, output_file
+from common.bench.flags import add_model_args, output_file
 from common.bench.floor import matmul_floor_ms
 
 
@@ -46,9 +46,7 @@ def batch_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise floor-curve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes (rows of one token)")
     p.add_argument("--rounds", type=int, default=3, help="times each batch is timed, all batches once a round")
     p.add_argument("--matmul", choices=("model", "F.linear", "both"), default="model",

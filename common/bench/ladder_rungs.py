@@ -18,7 +18,7 @@ import torch
 
 from common import stages as registry
 from common.bench.engines import wall_seconds
-from common.bench.flags import DTYPE_HELP, accepted, output_dir
+from common.bench.flags import accepted, add_model_args, output_dir
 from common.bench.ladder_workloads import DEFAULT_MAX_BATCH_SIZE, WORKLOADS, auto_kv_blocks, workload_kwargs
 from common.bench.metrics import summarize
 from common.bench.workloads import build_workload, fresh_copies
@@ -57,9 +57,7 @@ class Setup:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise ladder", description="Every stage and Hugging Face on one workload.")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--out", type=output_dir, required=True, help="directory for ladder.<device>[.<tag>].{json,png,txt}")
     p.add_argument("--tag", nargs="?", const="", default=None,
                    help="add a suffix to the file names (--tag alone: the workload name)")

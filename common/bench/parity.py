@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP, output_file
+from common.bench.flags import add_model_args, output_file
 from common.bench.report import dtype_lines
 
 PROMPTS = [
@@ -46,9 +46,7 @@ PROMPTS = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise parity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--stages", default="all", help="comma-separated numbers, or all")
     p.add_argument("--random-prompts", type=int, default=8, help="random-token prompts beside the text ones")
     p.add_argument("--max-new-tokens", type=int, default=48)

@@ -55,7 +55,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP, add_enforce_eager_arg, output_file
+from common.bench.flags import add_enforce_eager_arg, add_model_args, output_file
 from common.bench.report import dtype_lines
 from common.config import ModelConfig
 
@@ -82,9 +82,7 @@ GROUPS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise profile-decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", default="9")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=16, help="requests in the batch (one decode row each)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="stage 14: ranks the model is split across (the profile is rank 0's)")

@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import DTYPE_HELP, output_file
+from common.bench.flags import add_model_args, output_file
 from common.bench.profile_decode import (group_fields, has_knob, kernel_fields, op_table, report_lines, result_head,
                                          stage_class, stage_engine)
 from common.bench.report import dtype_lines
@@ -45,9 +45,7 @@ from common.bench.report import dtype_lines
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise profile-prefill", description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", default="9")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--prompt-len", type=int, default=2000, help="random prompt tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills (after one warm-up)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from common.bench.envinfo import REPO_ROOT, collect_env
-from common.bench.flags import DTYPE_HELP, output_file
+from common.bench.flags import add_model_args, output_file
 from common.bench.report import comparison_ratios, format_comparison
 from common.bench.results import write_json
 
@@ -44,9 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from common import stages as registry
     p = argparse.ArgumentParser(prog="stagewise serve-compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", default=str(max(registry.STAGES)), help="a stage with a SchedulerManager (04+)")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--prompt", default="Hello", help="each request sends it with ' #i' appended")
     p.add_argument("--num-requests", type=int, default=64, help="one burst of this many requests")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -11,7 +11,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from common.bench.flags import DTYPE_HELP
+from common.bench.flags import add_model_args
 from common.threads import run_at_idle_priority
 
 if TYPE_CHECKING:
@@ -86,12 +86,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common.bench.flags import add_engine_knob_args, add_manager_args
 
     p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
+    add_model_args(p)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     p.add_argument("--host", type=host_address, default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed at start)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
     g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
     add_engine_knob_args(g)

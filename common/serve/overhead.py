@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bench.envinfo import REPO_ROOT, collect_env
-from common.bench.flags import DTYPE_HELP, output_file
+from common.bench.flags import add_model_args, output_file
 from common.bench.report import format_comparison
 from common.bench.results import write_json
 
@@ -44,9 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from common.serve.engine import WORKER_PRIORITIES
     p = argparse.ArgumentParser(prog="stagewise serve-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", default="9")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_model_args(p)
     p.add_argument("--prompt", default="Hello")
     p.add_argument("--num-requests", type=int, default=64, help="requests a run: one burst, or sent at --request-rate")
     p.add_argument("--request-rate", type=float, default=float("inf"),
