@@ -75,8 +75,11 @@ def test_a_request_an_idle_pool_refuses_ends_with_an_error_naming_max_new_tokens
     """The engine refuses at once what can never fit (`new_session` names the field), so an idle
     pool refusing a booking should not happen; if it does, nothing will ever free blocks for that
     request. It must end with an error a client can act on (the HTTP layer turns a message that
-    starts with a field into that field's 400), not wait forever, and the next request runs."""
+    starts with a field into that field's 400), not wait forever, and the next request runs. The
+    field is what the booking counted: prompt + max_new_tokens up to stage 12, the prompt alone
+    from stage 13 on (blocks on demand)."""
     stage = registry.load_stage(package)
+    field = "prompt" if registry.stage_number(package) >= 13 else "max_new_tokens"
     engine = stage.InferenceEngine(tiny, max_batch_size=4)
     real, calls = engine.reserve, []
 
@@ -88,7 +91,7 @@ def test_a_request_an_idle_pool_refuses_ends_with_an_error_naming_max_new_tokens
 
     engine.reserve = refuses_once
     with stage.SchedulerManager(engine, max_batch_size=4) as manager:
-        with pytest.raises(ValueError, match=r"^max_new_tokens: request .* even when it is idle"):
+        with pytest.raises(ValueError, match=rf"^{field}: request .* even when it is idle"):
             manager.add_request("Hello", max_new_tokens=4, temperature=0.0).result(timeout=30)
         assert len(manager.add_request("Hi", max_new_tokens=4, temperature=0.0).result(timeout=30).token_ids) == 4
         assert not manager.scheduler.has_unfinished()

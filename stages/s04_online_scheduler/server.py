@@ -209,7 +209,7 @@ class SchedulerManager:
                 if not self.scheduler.has_unfinished():  # nothing will ever free blocks for it
                     self._fail(p.request_id, ValueError(
                         f"max_new_tokens: request {p.request_id} does not fit in the KV pool even when it is idle; "
-                        "lower it or raise num_kv_blocks"))
+                        "lower it or raise kv_cache_max_concurrency or num_kv_blocks"))
                     continue
                 self._waiting.append(p)  # waits for running requests to free blocks
                 continue

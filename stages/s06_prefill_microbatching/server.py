@@ -217,7 +217,7 @@ class SchedulerManager:
                 if idle and i == 0:  # the first of the burst, and the pool was as free as it gets: it never fits
                     self._fail(p.request_id, ValueError(
                         f"max_new_tokens: request {p.request_id} does not fit in the KV pool even when it is idle; "
-                        "lower it or raise num_kv_blocks"))
+                        "lower it or raise kv_cache_max_concurrency or num_kv_blocks"))
                 else:  # waits for the blocks of running requests, or of its own burst (even finished ones)
                     self._waiting.append(p)
                 continue
