@@ -125,7 +125,8 @@ step probe-s13-no-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --d
 step bench-s13 smollm2 240 $PY -m stages.s13_preemption.bench --compare --device $DEVICE \
     --json $RESULTS/s13_preemption.$DEVICE.json
 # Every stage's fp32 tokens against transformers' on SmolLM2 (the last parity file, at e5514d9,
-# predates stages 12 to 14): the issue's correctness target, so it comes before the speed steps.
+# predates stages 12 to 14): the issue's correctness target, so it comes before the other
+# SmolLM2 steps but this stage's bench.
 step parity-fp32 smollm2 220 $RERUN --only parity.fp32
 step bench-s12 smollm2 150 $PY -m stages.s12_cuda_graphs.bench --compare --device $DEVICE \
     --json $RESULTS/s12_cuda_graphs.$DEVICE.json
@@ -133,6 +134,11 @@ step probe-s13-cudnn smollm2 90 $PY -m common.cli worker-probe --stage 13 --devi
     --json $RESULTS/worker-probe.s13_preemption.cudnn.$DEVICE.json
 step probe-s09-cudnn-$G2 - 40 $PY -m common.cli worker-probe --stage 9 --preset post-052 --model $G2 \
     --device $DEVICE --cudnn-attention --json $RESULTS/worker-probe.s09_batched_worker_lookups.post-052.cudnn.$G2.$DEVICE.json
+# Stage 14's probe with cuDNN in every forward, at the same commit as its default one (the file of
+# 3916404 ran with other batches: its slow eager steps let arrivals pile up). Once it has run,
+# stage 14's page names no commit for that column and loses its caveat on batches.
+step probe-s14-cudnn-$G2 - 40 $PY -m common.cli worker-probe --stage 14 --preset post-052 --model $G2 \
+    --device $DEVICE --cudnn-attention --json $RESULTS/worker-probe.s14_tensor_parallel.post-052.cudnn.$G2.$DEVICE.json
 # Stage 14 (tensor parallelism): its tests (at size 1 on this GPU, CUDA graphs and all; the ranks
 # on gloo where there is one GPU, on NCCL where there are two or more), in two steps, the parity
 # ones first (the stage's own, which start ranks, were cut at 144 s and 67 s with 9 and 6 of

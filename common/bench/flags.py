@@ -9,7 +9,7 @@ workload flag or engine knob means the same thing everywhere.
   the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
   `--preset`) as defaults;
-- `add_model_args`: `--model`, `--device` and `--dtype`, for every command that loads a model;
+- `add_model_args`: `--model`, `--device` and `--dtype`, for every `stagewise` command and bench;
 - `output_file` and `output_dir`: the argparse types of every `--json` and `--out`.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU w
 
 
 def add_model_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--model, --device and --dtype, the same in every command that loads a model."""
+    """--model, --device and --dtype, the same in every `stagewise` command and stage bench that loads a model."""
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
