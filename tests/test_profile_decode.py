@@ -172,16 +172,19 @@ def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
 
 
 def test_a_replayed_profile_reports_no_group_comparisons_and_an_eager_bound() -> None:
-    """Stage 12's profile from an H200 (before `graph_replays` was recorded): its groups saw 0 ms
-    of matmuls, which read as '0.00x the floor'; a replayed step is below the eager bound."""
+    """Stage 12's profile from an H200: its groups saw 0 ms of matmuls, which read as '0.00x the
+    floor'; a replayed step is below the eager bound. Read as recorded (`graph_replays`) and as a
+    file from before that field was (its op rows say it)."""
     r = json.loads((Path(__file__).parents[1] / "docs/results/cuda/profile.s12_cuda_graphs.b64.gpt2-random.cuda.json").read_text())
     assert r["groups_ms_profiled"]["matmul"] == 0 and r["x_floor"] < r["x_floor_bound"]
-    assert "graph_replays" not in r  # an older file: its op rows say it
-    text = profile_decode.format_profile(r, top=5)
-    assert profile_decode.graph_replays(r["ops"]) and "replayed CUDA graphs" in text and "can go below" in text
-    assert "Matmuls in the step vs" not in text and "attention and KV cache ops took" not in text
-    r["graph_replays"] = False  # as an eager step's profile reads
-    assert "Matmuls in the step vs" in profile_decode.format_profile(r, top=5)
+    assert r.get("graph_replays", True) and profile_decode.graph_replays(r["ops"])
+    older = {k: v for k, v in r.items() if k != "graph_replays"}
+    for report in (r, older):
+        text = profile_decode.format_profile(report, top=5)
+        assert "replayed CUDA graphs" in text and "can go below" in text
+        assert "Matmuls in the step vs" not in text and "attention and KV cache ops took" not in text
+    eager = dict(r, graph_replays=False, matmul_vs_floor=0.0, attention_vs_kv_read_floor=0.0)  # as an eager step's reads
+    assert "Matmuls in the step vs" in profile_decode.format_profile(eager, top=5)
 
 
 def test_kv_bytes_and_the_read_floor() -> None:
