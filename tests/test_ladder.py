@@ -142,6 +142,18 @@ def test_stage_subset_parsing() -> None:
         ladder_rungs.parse_stages("1,42")
 
 
+def test_max_num_batched_tokens_reaches_only_the_stages_that_take_it(tiny, tmp_path) -> None:
+    """--max-num-batched-tokens (vLLM's name) sets the step budget of stages 11+; an earlier
+    stage, whose constructor has no such knob, is built as before, and the default stays each
+    stage's own."""
+    setup = ladder_rungs.Setup(tiny, [], {}, 32)
+    for argv, budget in ((["--max-num-batched-tokens", "96"], 96), ([], None)):
+        args = ladder_rungs.parse_args(["--out", str(tmp_path), "--max-batch-size", "4", *argv])
+        s10, s11 = [e.factory() for e in ladder_rungs.build_engines(args, setup, [10, 11], hf=False, notes=[], skipped=[])]
+        assert not hasattr(s10, "max_num_batched_tokens") and s10.pool.allocator.num_blocks == 32
+        assert s11.max_num_batched_tokens == (budget or registry.load_stage(11).engine.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+
 def test_report_redraws_table_and_chart_from_the_json_alone(small_run, tmp_path) -> None:
     from common.bench import ladder_report
 

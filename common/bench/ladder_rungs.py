@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None, help="default: the workload's, else 8")
     p.add_argument("--prefill-max-batch-size", type=int, default=None, help="stage 07+ managers (streaming mode)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool of stages 03+ (default: fits the workload)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step of stages 11+ (decode rows + prompt chunks; default: each stage's)")
     p.add_argument("--mode", choices=["offline", "streaming"], default="offline",
                    help="streaming: stages 04+ through their SchedulerManager (shows stages 06-09)")
     p.add_argument("--warmup-runs", type=int, default=1)
@@ -213,7 +215,11 @@ def prepare(args: argparse.Namespace, notes: list[str]) -> Setup:
 
 def build_engines(args: argparse.Namespace, setup: Setup, stage_numbers: list[int], hf: bool,
                   notes: list[str], skipped: list[dict]) -> list[Engine]:
-    engines = [stage_engine(n, args, setup.loaded, {"num_kv_blocks": setup.num_blocks}) for n in stage_numbers]
+    knobs = {"num_kv_blocks": setup.num_blocks}
+    if args.max_num_batched_tokens is not None:  # only the stages that take it (accepted)
+        knobs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        notes.append(f"max_num_batched_tokens {args.max_num_batched_tokens}: the step budget of the stages that have one (11+)")
+    engines = [stage_engine(n, args, setup.loaded, knobs) for n in stage_numbers]
     if hf:
         engines += hf_engines(args, setup.loaded, setup.num_blocks, notes, skipped)
     return engines
