@@ -20,8 +20,7 @@ import importlib
 import sys
 
 from common import stages as registry
-from common.commands import run_command
-from common.bench.flags import add_model_args
+from common.commands import add_model_args, run_command
 
 
 def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:

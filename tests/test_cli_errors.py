@@ -7,6 +7,7 @@ name was at the bottom of forty lines; now it is the only line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from common import cli
+from common import stages as registry
 from common.bench import profile_prefill
 from common.serve import bench as bench_serve
 
@@ -29,6 +31,15 @@ def test_a_stage_main_says_which_field_in_one_line() -> None:
                            "--max-new-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == "python -m stages.s13_preemption: error: max_new_tokens must be > 0, got 0\n"
+
+
+@pytest.mark.parametrize("package", sorted(registry.STAGES.values()))
+def test_every_stage_main_takes_the_model_flags_of_every_command(package) -> None:
+    """Each stage's own `python -m` has --model, --device and --dtype (common.commands.add_model_args),
+    and hands --dtype to the loader: an unknown one is refused naming the field, before any weights."""
+    main = importlib.import_module(f"{package}.__main__").main
+    with pytest.raises(ValueError, match="^dtype: 'float8' is not supported"):
+        main(["Hi", "--model", "tiny", "--device", "cpu", "--dtype", "float8"])
 
 
 @pytest.mark.parametrize("flags, message", [(["--request-rate", "0"], "--request-rate must be > 0"),

@@ -9,7 +9,6 @@ workload flag or engine knob means the same thing everywhere.
   the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
   `--preset`) as defaults;
-- `add_model_args`: `--model`, `--device` and `--dtype`, for every `stagewise` command and bench;
 - `output_file` and `output_dir`: the argparse types of every `--json` and `--out`.
 """
 from __future__ import annotations
@@ -23,18 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from common.bench.workloads import build_workload
-
-# --dtype of every command (common.loader.choose_dtype does the picking)
-DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU with bf16 matmul units) | "
-              "float32 | bfloat16 | float16; default: bfloat16 on CUDA, float32 on a CPU")
-
-
-def add_model_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--model, --device and --dtype, the same in every `stagewise` command and stage bench that loads a model."""
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | gpt2-random | HF dir")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
-
+from common.commands import add_model_args
 
 def _check_writable(path: Path, want_dir: bool) -> None:
     """ArgumentTypeError unless this user could write `path`, or make it: checked when the flags are

@@ -25,8 +25,9 @@ import sys
 import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import add_model_args, output_file
+from common.bench.flags import output_file
 from common.bench.floor import matmul_floor_ms
+from common.commands import add_model_args
 
 
 MATMUL_WORDS = {"model": "as the model runs them (common/linear.py)", "F.linear": "through F.linear",

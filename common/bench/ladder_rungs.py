@@ -18,10 +18,11 @@ import torch
 
 from common import stages as registry
 from common.bench.engines import wall_seconds
-from common.bench.flags import accepted, add_model_args, output_dir
+from common.bench.flags import accepted, output_dir
 from common.bench.ladder_workloads import DEFAULT_MAX_BATCH_SIZE, WORKLOADS, auto_kv_blocks, workload_kwargs
 from common.bench.metrics import summarize
 from common.bench.workloads import build_workload, fresh_copies
+from common.commands import add_model_args
 
 
 @dataclass

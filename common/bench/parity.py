@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import add_model_args, output_file
+from common.bench.flags import output_file
 from common.bench.report import dtype_lines
+from common.commands import add_model_args
 
 PROMPTS = [
     "Hello",

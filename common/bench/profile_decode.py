@@ -55,8 +55,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import add_enforce_eager_arg, add_model_args, output_file
+from common.bench.flags import add_enforce_eager_arg, output_file
 from common.bench.report import dtype_lines
+from common.commands import add_model_args
 from common.config import ModelConfig
 
 GROUPS = {

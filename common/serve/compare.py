@@ -32,9 +32,10 @@ import urllib.request
 from pathlib import Path
 
 from common.bench.envinfo import REPO_ROOT, collect_env
-from common.bench.flags import add_model_args, output_file
+from common.bench.flags import output_file
 from common.bench.report import comparison_ratios, format_comparison
 from common.bench.results import write_json
+from common.commands import add_model_args
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both servers load a local directory
 START_TIMEOUT_S = 900.0  # a first run converts SmolLM2's GGUF; transformers' imports take a while too

@@ -11,7 +11,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from common.bench.flags import add_model_args
+from common.commands import add_model_args
 from common.threads import run_at_idle_priority
 
 if TYPE_CHECKING:

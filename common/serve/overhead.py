@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from common.bench.envinfo import REPO_ROOT, collect_env
-from common.bench.flags import add_model_args, output_file
+from common.bench.flags import output_file
 from common.bench.report import format_comparison
 from common.bench.results import write_json
+from common.commands import add_model_args
 
 TARGETS = {"throughput_loss_pct": 10.0, "ttft_p50_added_ms": 5.0}
 

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from common.commands import run_command
+from common.commands import add_model_args, run_command
 from common.loader import load_model
 from common.requests import Request, SamplingParams
 from common.tokenizer import chat_prompt
@@ -15,8 +15,7 @@ from common.tokenizer import chat_prompt
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
     parser.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--device", default="auto")
+    add_model_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     stage = importlib.import_module(__package__)  # this stage's package, not another one
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = stage.InferenceEngine(loaded, max_batch_size=args.max_batch_size)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

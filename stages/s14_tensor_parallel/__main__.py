@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from common.commands import run_command
+from common.commands import add_model_args, run_command
 from common.loader import load_model
 from common.requests import Request, SamplingParams
 from common.tokenizer import chat_prompt
@@ -17,8 +17,7 @@ from .parallel import rank_device
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
     parser.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--device", default="auto")
+    add_model_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     stage = importlib.import_module(__package__)  # this stage's package, not another one
     # Under torchrun: this rank's GPU. Split across ranks, each reads its own share of the weights.
-    loaded = load_model(args.model, device=rank_device(args.device), weights=args.tensor_parallel_size == 1)
+    loaded = load_model(args.model, device=rank_device(args.device), dtype=args.dtype, weights=args.tensor_parallel_size == 1)
     # Under torchrun, on every rank but 0 the engine follows rank 0's steps and ends the process.
     engine = stage.InferenceEngine(loaded, max_batch_size=args.max_batch_size,
                                    tensor_parallel_size=args.tensor_parallel_size)
