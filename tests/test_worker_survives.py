@@ -71,7 +71,7 @@ def test_a_request_whose_completion_fails_ends_with_the_error(package, tiny):
 
 
 @pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
-def test_a_request_an_idle_pool_refuses_ends_with_an_error_naming_max_new_tokens(package, tiny):
+def test_a_request_an_idle_pool_refuses_ends_with_an_error_naming_what_it_booked(package, tiny):
     """The engine refuses at once what can never fit (`new_session` names the field), so an idle
     pool refusing a booking should not happen; if it does, nothing will ever free blocks for that
     request. It must end with an error a client can act on (the HTTP layer turns a message that

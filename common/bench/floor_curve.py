@@ -27,7 +27,7 @@ import torch
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import output_file
 from common.bench.floor import matmul_floor_ms
-from common.commands import add_model_args
+from common.commands import add_model_args, run_command
 
 
 MATMUL_WORDS = {"model": "as the model runs them (common/linear.py)", "F.linear": "through F.linear",
@@ -116,5 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # as `stagewise floor-curve`: bad input is one line and status 2
-    from common.commands import run_command
     sys.exit(run_command(main, "stagewise floor-curve"))

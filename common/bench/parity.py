@@ -31,7 +31,7 @@ import torch
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import output_file
 from common.bench.report import dtype_lines
-from common.commands import add_model_args
+from common.commands import add_model_args, run_command
 
 PROMPTS = [
     "Hello",
@@ -165,5 +165,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # as `stagewise parity`: bad input is one line and status 2
-    from common.commands import run_command
     sys.exit(run_command(main, "stagewise parity"))

@@ -57,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import add_enforce_eager_arg, output_file
 from common.bench.report import dtype_lines
-from common.commands import add_model_args
+from common.commands import add_model_args, run_command
 from common.config import ModelConfig
 
 GROUPS = {
@@ -423,5 +423,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # as `stagewise profile-decode`: bad input is one line and status 2
-    from common.commands import run_command
     sys.exit(run_command(main, "stagewise profile-decode"))

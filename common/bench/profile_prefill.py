@@ -40,7 +40,7 @@ from common.bench.flags import output_file
 from common.bench.profile_decode import (group_fields, has_knob, kernel_fields, op_table, report_lines, result_head,
                                          stage_class, stage_engine)
 from common.bench.report import dtype_lines
-from common.commands import add_model_args
+from common.commands import add_model_args, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,5 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # as `stagewise profile-prefill`: bad input is one line and status 2
-    from common.commands import run_command
     sys.exit(run_command(main, "stagewise profile-prefill"))

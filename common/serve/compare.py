@@ -35,7 +35,7 @@ from common.bench.envinfo import REPO_ROOT, collect_env
 from common.bench.flags import output_file
 from common.bench.report import comparison_ratios, format_comparison
 from common.bench.results import write_json
-from common.commands import add_model_args
+from common.commands import add_model_args, run_command
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both servers load a local directory
 START_TIMEOUT_S = 900.0  # a first run converts SmolLM2's GGUF; transformers' imports take a while too
@@ -248,5 +248,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # as `stagewise serve-compare`: bad input is one line and status 2
-    from common.commands import run_command
     sys.exit(run_command(main, "stagewise serve-compare"))

@@ -36,7 +36,7 @@ from common.bench.envinfo import REPO_ROOT, collect_env
 from common.bench.flags import output_file
 from common.bench.report import format_comparison
 from common.bench.results import write_json
-from common.commands import add_model_args
+from common.commands import add_model_args, run_command
 
 TARGETS = {"throughput_loss_pct": 10.0, "ttft_p50_added_ms": 5.0}
 
@@ -379,5 +379,4 @@ def _affinity() -> list[int] | None:
 
 
 if __name__ == "__main__":  # as `stagewise serve-overhead`: bad input is one line and status 2
-    from common.commands import run_command
     sys.exit(run_command(main, "stagewise serve-overhead"))
