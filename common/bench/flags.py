@@ -24,6 +24,7 @@ from typing import Any
 from common.bench.workloads import build_workload
 from common.commands import add_model_args
 
+
 def _check_writable(path: Path, want_dir: bool) -> None:
     """ArgumentTypeError unless this user could write `path`, or make it: checked when the flags are
     read, so a typo in a folder fails at once, not after a run of many minutes. Checked by opening
