@@ -10,7 +10,7 @@
 Why: a page's figures should come from one version of the code, or a reader cannot tell what a
 change did from what happened between two commits. Every file under `docs/results/` says how it
 was made: its `command`, or a `config` from which the pages rebuild the command they print
-(`command_from` in docs/hooks/stagewise_results.py, the same function here). This runs those
+(`command_from` in docs/hooks/stagewise_commands.py, the same function here). This runs those
 commands again, in this checkout, and then checks that every file it rewrote names the same
 clean commit. It reruns the current set of one device, `docs/results/<device>/`; the other
 machines' sets (`machines/`) and the before/after pairs (`questions/`) are left alone: each
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-from stagewise_results import command_from, placed  # noqa: E402  (the pages' own reading of a result)
+from stagewise_commands import command_from, placed  # noqa: E402  (the pages' own reading of a result)
 
 
 def result_files(device: str) -> list[Path]:

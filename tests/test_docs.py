@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "docs" / "hooks"))
 
 import stagewise as hook  # noqa: E402
+import stagewise_commands as commands  # noqa: E402
 import stagewise_results as results  # noqa: E402
+import stagewise_values as values  # noqa: E402
 
 SAMPLE = "tests/data/sample_result.json"
 
@@ -176,7 +178,7 @@ def test_missing_result_json_gives_admonition_with_command(tmp_path: Path) -> No
     assert "python -m stages.s02_kv_cache.bench --compare --json docs/results/cpu/s02_kv_cache.cpu.json" in md
     md = results.render_bench_results(tmp_path, "docs/results/cuda/s07_x.cuda.json", command="make it so")
     assert "make it so" in md
-    assert "--device cuda" in results.default_command("docs/results/cuda/s07_x.cuda.json")
+    assert "--device cuda" in commands.default_command("docs/results/cuda/s07_x.cuda.json")
 
 
 def test_bench_tabs_show_a_later_tab_only_once_its_result_is_committed(tmp_path: Path) -> None:
@@ -199,10 +201,10 @@ def test_a_results_command_writes_where_the_result_lies_now() -> None:
     """A result written to a scratch path, or moved since (docs/results/ is laid out by device,
     machine and question), prints the command that writes this very file: the one a reader copies."""
     bench = {"command": "stagewise serve-overhead --stage 9 --json /tmp/x.json"}
-    assert results.placed_command(bench, "docs/results/cpu/serve.cpu.json") == \
+    assert commands.placed_command(bench, "docs/results/cpu/serve.cpu.json") == \
         "stagewise serve-overhead --stage 9 --json docs/results/cpu/serve.cpu.json"
     ladder = {"command": "stagewise ladder --workload burst --out docs/results --tag"}
-    assert results.placed_command(ladder, "docs/results/cpu/ladder.cpu.burst.json") == \
+    assert commands.placed_command(ladder, "docs/results/cpu/ladder.cpu.burst.json") == \
         "stagewise ladder --workload burst --out docs/results/cpu --tag"
 
 
@@ -228,31 +230,31 @@ def test_malformed_compare_entry_fails(tmp_path: Path) -> None:
 
 def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
     data = _sample()
-    assert results.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p99") == f"{data['ttft_ms']['p99']:.2f}"
+    assert values.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p99") == f"{data['ttft_ms']['p99']:.2f}"
     s01 = data["compare"][0]
-    assert results.render_bench_value(REPO, f"{SAMPLE} compare.s01_naive_batching.tpot_ms.p50") \
+    assert values.render_bench_value(REPO, f"{SAMPLE} compare.s01_naive_batching.tpot_ms.p50") \
         == f"{s01['tpot_ms']['p50']:.2f}"
-    assert results.render_bench_value(REPO, f"{SAMPLE} compare.0.tpot_ms.p50") == f"{s01['tpot_ms']['p50']:.2f}"
+    assert values.render_bench_value(REPO, f"{SAMPLE} compare.0.tpot_ms.p50") == f"{s01['tpot_ms']['p50']:.2f}"
     ratio = s01["ttft_ms"]["p50"] / data["ttft_ms"]["p50"]
-    assert results.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 ttft_ms.p50") \
+    assert values.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 ttft_ms.p50") \
         == f"{ratio:.2f}×"
     # across two files: a key of one over a key of the other (here the same file twice)
-    assert results.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 {SAMPLE} ttft_ms.p50") \
+    assert values.render_bench_ratio(REPO, f"{SAMPLE} compare.s01_naive_batching.ttft_ms.p50 {SAMPLE} ttft_ms.p50") \
         == f"{ratio:.2f}×"
-    assert results.render_bench_ratio(tmp_path, "docs/results/none.json ttft_ms.p50 docs/results/none.json ttft_ms.p50") \
+    assert values.render_bench_ratio(tmp_path, "docs/results/none.json ttft_ms.p50 docs/results/none.json ttft_ms.p50") \
         == "*pending*"
     with pytest.raises(results.DocsError, match="bench-ratio: expected"):
-        results.render_bench_ratio(REPO, f"{SAMPLE} ttft_ms.p50")
+        values.render_bench_ratio(REPO, f"{SAMPLE} ttft_ms.p50")
     with pytest.raises(results.DocsError, match="no key"):
-        results.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p42")
+        values.render_bench_value(REPO, f"{SAMPLE} ttft_ms.p42")
     with pytest.raises(results.DocsError, match="not a number"):
-        results.render_bench_value(REPO, f"{SAMPLE} stage")
-    assert results.render_bench_value(tmp_path, "docs/results/none.json ttft_ms.p50") == "*pending*"
-    assert results.render_bench_value(REPO, f"{SAMPLE} requests") == f"{data['requests']}"  # a count: no decimals
-    assert results.render_bench_value(REPO, f"{SAMPLE} requests KiB") == f"{data['requests'] / 1024:.1f} KiB"
-    assert results.render_bench_value(REPO, f"{SAMPLE} requests %") == f"{data['requests'] * 100:.1f} %"
+        values.render_bench_value(REPO, f"{SAMPLE} stage")
+    assert values.render_bench_value(tmp_path, "docs/results/none.json ttft_ms.p50") == "*pending*"
+    assert values.render_bench_value(REPO, f"{SAMPLE} requests") == f"{data['requests']}"  # a count: no decimals
+    assert values.render_bench_value(REPO, f"{SAMPLE} requests KiB") == f"{data['requests'] / 1024:.1f} KiB"
+    assert values.render_bench_value(REPO, f"{SAMPLE} requests %") == f"{data['requests'] * 100:.1f} %"
     with pytest.raises(results.DocsError, match="expected"):
-        results.render_bench_value(REPO, f"{SAMPLE} requests GB")
+        values.render_bench_value(REPO, f"{SAMPLE} requests GB")
 
 
 def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
@@ -407,28 +409,28 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
     the pages used to type by hand ("55 to 68 %", "±12.0 %", "0.44-0.87 of the floor")."""
     (tmp_path / "a.json").write_text(json.dumps({"x": 0.5, "y": 2.0, "s": {"compl tok/s": {"dev": 12.0}}}))
     (tmp_path / "b.json").write_text(json.dumps({"x": 0.25, "y": 4.0, "pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
-    assert results.render_bench_range(tmp_path, "b.json pairs.*.z") == "\u22121.50 to 3.50"  # over a list's items
-    assert results.render_bench_range(tmp_path, 'b.json "=pairs.*.z - pairs.*.z + x"') == "0.25 to 0.25"  # same item
+    assert values.render_bench_range(tmp_path, "b.json pairs.*.z") == "\u22121.50 to 3.50"  # over a list's items
+    assert values.render_bench_range(tmp_path, 'b.json "=pairs.*.z - pairs.*.z + x"') == "0.25 to 0.25"  # same item
     (tmp_path / "n.json").write_text(json.dumps({"runs": [{"p": [{"x": 1}, {"x": 2}]}, {"p": [{"x": 3}]}], "inf": 1e999}))
-    assert results.render_bench_range(tmp_path, "n.json runs.*.p.*.x") == "1 to 3"  # a plain key walks every list
+    assert values.render_bench_range(tmp_path, "n.json runs.*.p.*.x") == "1 to 3"  # a plain key walks every list
     (tmp_path / "s.json").write_text(json.dumps({"samples": [2.5, 1.5, 4.0], "one": 3, "rows": [{"s": [7, 5]}]}))
-    assert results.render_bench_range(tmp_path, "s.json samples.*") == "1.50 to 4.00"  # a list of numbers' items
-    assert results.render_bench_range(tmp_path, "s.json rows.0.s.*") == "5 to 7"
-    assert results.render_bench_range(tmp_path, "s.json rows.*.s.*") == "5 to 7"  # each item's list, walked
+    assert values.render_bench_range(tmp_path, "s.json samples.*") == "1.50 to 4.00"  # a list of numbers' items
+    assert values.render_bench_range(tmp_path, "s.json rows.0.s.*") == "5 to 7"
+    assert values.render_bench_range(tmp_path, "s.json rows.*.s.*") == "5 to 7"  # each item's list, walked
     with pytest.raises(results.DocsError, match="'one' is not a list"):
-        results.render_bench_range(tmp_path, "s.json one.*")
-    assert results.render_bench_value(tmp_path, 'n.json "=-(runs.0.p.0.x - 1)"') == "0"  # not "−0"
+        values.render_bench_range(tmp_path, "s.json one.*")
+    assert values.render_bench_value(tmp_path, 'n.json "=-(runs.0.p.0.x - 1)"') == "0"  # not "−0"
     with pytest.raises(results.DocsError, match="is inf"):
-        results.render_bench_value(tmp_path, "n.json inf")
-    assert results.render_bench_value(tmp_path, 'b.json "=-(pairs.0.z + pairs.2.z) / 2"') == "\u22122.75"
-    assert results.render_bench_range(tmp_path, "a.json x b.json x") == "0.25 to 0.50"
-    assert results.render_bench_range(tmp_path, "a.json x b.json x a.json x %") == "25.0 to 50.0 %"
-    assert results.render_bench_range(tmp_path, 'a.json "=x * y" b.json "=(y - x) / y"') == "0.94 to 1.00"
-    assert results.render_bench_range(tmp_path, "a.json y b.json y") == "2 to 4"  # counts read as counts
-    assert results.render_bench_range(tmp_path, "a.json x none.json x") == "*pending*"
-    assert results.render_bench_value(tmp_path, 'a.json "s.compl tok/s.dev"') == "12"
-    assert results.render_bench_ratio(tmp_path, 'a.json "=y + y" b.json y') == "1.00×"
-    value, range_ = results.render_bench_value, results.render_bench_range
+        values.render_bench_value(tmp_path, "n.json inf")
+    assert values.render_bench_value(tmp_path, 'b.json "=-(pairs.0.z + pairs.2.z) / 2"') == "\u22122.75"
+    assert values.render_bench_range(tmp_path, "a.json x b.json x") == "0.25 to 0.50"
+    assert values.render_bench_range(tmp_path, "a.json x b.json x a.json x %") == "25.0 to 50.0 %"
+    assert values.render_bench_range(tmp_path, 'a.json "=x * y" b.json "=(y - x) / y"') == "0.94 to 1.00"
+    assert values.render_bench_range(tmp_path, "a.json y b.json y") == "2 to 4"  # counts read as counts
+    assert values.render_bench_range(tmp_path, "a.json x none.json x") == "*pending*"
+    assert values.render_bench_value(tmp_path, 'a.json "s.compl tok/s.dev"') == "12"
+    assert values.render_bench_ratio(tmp_path, 'a.json "=y + y" b.json y') == "1.00×"
+    value, range_ = values.render_bench_value, values.render_bench_range
     for render, bad, message in ((range_, "a.json", "bench-range: expected"), (range_, "a.json y.*.z", "not a list"),
                                  (range_, "a.json x b.json x furlongs", "bench-range: expected"),
                                  (range_, 'a.json "=x ** y" b.json x', "only"),
@@ -442,19 +444,19 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
 
 def test_bench_median_over_a_lists_items(tmp_path: Path) -> None:
     (tmp_path / "r.json").write_text(json.dumps({"pairs": [{"z": 3.5}, {"z": -1.5}, {"z": 2}]}))
-    assert results.render_bench_median(tmp_path, "r.json pairs.*.z") == "2"  # a count reads as one
-    assert results.render_bench_median(tmp_path, "r.json pairs.1.z r.json pairs.1.z") == "\u22121.50"
-    assert results.render_bench_median(tmp_path, "r.json pairs.*.z %") == "200.0 %"
-    assert results.render_bench_median(tmp_path, "none.json pairs.*.z") == "*pending*"
+    assert values.render_bench_median(tmp_path, "r.json pairs.*.z") == "2"  # a count reads as one
+    assert values.render_bench_median(tmp_path, "r.json pairs.1.z r.json pairs.1.z") == "\u22121.50"
+    assert values.render_bench_median(tmp_path, "r.json pairs.*.z %") == "200.0 %"
+    assert values.render_bench_median(tmp_path, "none.json pairs.*.z") == "*pending*"
     with pytest.raises(results.DocsError, match="bench-median: expected"):
-        results.render_bench_median(tmp_path, "r.json")
+        values.render_bench_median(tmp_path, "r.json")
 
 
 def test_bench_count_counts_a_lists_items_that_pass(tmp_path: Path) -> None:
     """'7 of 10' comes from the file: against a number, or against another file's median."""
     (tmp_path / "r.json").write_text(json.dumps({"pairs": [{"z": 3.5, "w": 1}, {"z": -1.5, "w": 0}, {"z": 2, "w": 3}]}))
     (tmp_path / "o.json").write_text(json.dumps({"pairs": [{"z": 0}, {"z": 2.5}, {"z": 9}]}))
-    count = results.render_bench_count
+    count = values.render_bench_count
     assert count(tmp_path, "r.json pairs.*.z > 0") == "2 of 3"
     assert count(tmp_path, "r.json pairs.*.z >= 2") == "2 of 3"
     assert count(tmp_path, "r.json pairs.*.z < o.json pairs.*.z") == "2 of 3"  # under o's median, 2.5

@@ -115,7 +115,7 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
     import shlex
 
     from common.bench import flags
-    from stagewise_results import command_from
+    from stagewise_commands import command_from
 
     checked = 0
     for path in rerun.result_files("cpu"):

@@ -51,10 +51,11 @@ import re
 import textwrap
 from pathlib import Path
 
-from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _name, _number, _rel,
-                               _value, default_command, env_line, load_result, placed_command, render_bench_count,
-                               render_bench_median, render_bench_range, render_bench_ratio, render_bench_results,
-                               render_bench_value)
+from stagewise_commands import default_command, placed_command
+from stagewise_results import (DocsError, _admonition, _fence, _first, _fmt, _name, _number, _rel, _value, env_line,
+                               load_result, render_bench_results)
+from stagewise_values import (render_bench_count, render_bench_median, render_bench_range, render_bench_ratio,
+                              render_bench_value)
 
 BLOCK = ("stage-diff", "stage-diff-if-present", "include", "include-if-present", "bench-results", "bench-tabs",
          "ladder-chart", "ladder-table", "parity-table", "serve-pairs")

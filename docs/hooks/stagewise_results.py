@@ -3,20 +3,20 @@
 Why separate: the hook (stagewise.py) finds directives; this module knows the JSON shape that
 common/bench/harness.py writes (design.md, "Bench JSON") and turns it into tables. A missing file is
 `None` (the page says how to produce it); a malformed one raises DocsError, failing the build.
+Beside it: stagewise_commands.py (the command under each table) and stagewise_values.py (single
+figures inside a sentence), which read results through `load_result` and `lookup` here.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import math
-import operator
 import os
 import re
-import shlex
-import statistics
 from pathlib import Path
 from typing import Any
+
+from stagewise_commands import default_command, placed_command, wrap_command
 
 try:  # the hook runs under mkdocs; the tests import it without a build
     from mkdocs.exceptions import PluginError as _Base
@@ -42,13 +42,6 @@ PCT_METRICS: list[tuple[str, str]] = [
 ]
 REQUIRED_PCT = ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms")
 PCTS = ("p50", "p95", "p99")
-# Flags that store False: the config's key, and the flag to write when the value is False.
-FLAGS_FOR_FALSE = {"stop_on_eos": "--no-stop-on-eos", "prefix_cache": "--no-prefix-cache",
-                   "fresh_engine": "--reuse-engine"}
-CONFIG_SKIP = ("stage", "command", "argv", "func")
-# Streaming-benchmark flags: noise in the command of an offline (generate()) run.
-STREAMING_ONLY = ("pretok", "pretok_base_token_ids", "tokenize_workers", "stream_interval",
-                  "submit_interval_ms", "submit_schedule", "request_timeout_s")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -129,87 +122,6 @@ def check_result(data: dict, path: str) -> None:
             raise DocsError(f"{path}: compare[{i}] must be an object")
         for key in ("throughput_tok_s.completion", "ttft_ms.p50", "tpot_ms.p50", "latency_ms.p50"):
             _number(entry, key, f"{path} compare[{i}]")
-
-
-def default_command(path: str) -> str:
-    """The command that writes `path`, guessed from its name (`<stage>.<device>.json`)."""
-    name = Path(path).name
-    stem, _, rest = name.partition(".")
-    device = rest.split(".")[0] if rest.count(".") >= 1 else "cpu"
-    if stem.startswith("ladder"):
-        # ladder.<device>[.<tag>].json; a tag named after a workload was written by `--workload <tag> --tag`.
-        tag = rest.split(".")[1] if rest.count(".") >= 2 else None
-        workload = f" --workload {tag} --tag" if tag else ""
-        mode = " --mode streaming" if tag == "burst" else ""
-        return f"stagewise ladder --device {device}{workload}{mode} --out {Path(path).parent.as_posix()}"
-    if stem == "parity":  # parity.<dtype>.<device>.json
-        dtype, _, device = rest.partition(".")
-        device = device.split(".")[0]
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
-        return f"stagewise parity --model smollm2-135m --dtype {dtype} --device {device} --json {path}"
-    dev = " --device cuda" if device == "cuda" else ""
-    return f"python -m stages.{stem}.bench --compare{dev} --json {path}"
-
-
-def command_from(data: dict) -> str:
-    """The command line that produced this result, rebuilt from its `config`."""
-    if isinstance(data.get("command"), str):
-        return data["command"]
-    cfg = data.get("config") or {}
-    module = f"stages.{data['stage']}.bench" if data.get("stage") else "common.bench"
-    if isinstance(cfg.get("argv"), list):
-        return shlex.join(["python", "-m", module, *map(str, cfg["argv"])])
-    parts = ["python", "-m", module]
-    offline = data.get("mode") == "offline"
-    for key, val in cfg.items():
-        if key in CONFIG_SKIP or val is None or (offline and key in STREAMING_ONLY):
-            continue
-        flag = "--" + key.replace("_", "-")
-        if key == "enforce_eager":  # three-way: unset (None, skipped above), --enforce-eager, --no-enforce-eager
-            parts.append(flag if val else "--no-enforce-eager")
-        elif key in FLAGS_FOR_FALSE:
-            if val is False:
-                parts.append(FLAGS_FOR_FALSE[key])
-        elif val is True:
-            parts.append(flag)
-        elif val is False or isinstance(val, dict):
-            continue  # a store_true flag left off; nested data is no flag
-        elif isinstance(val, (list, tuple)):
-            parts += [flag, *map(str, val)]
-        else:
-            parts += [flag, str(val)]
-    return shlex.join(parts)
-
-
-def placed(words: list[str], path: str) -> list[str]:
-    """A result's command, writing where the result lies now: its `--json` is `path`, a ladder's
-    `--out` the folder `path` is in. The file may have been written to a scratch path and copied
-    in, or moved since (docs/results/ is laid out by device, machine and question)."""
-    words = list(words)
-    if "--json" in words[:-1]:
-        words[words.index("--json") + 1] = path
-    elif "--out" in words[:-1]:
-        words[words.index("--out") + 1] = Path(path).parent.as_posix()
-    return words
-
-
-def placed_command(data: dict, path: str) -> str:
-    """`command_from(data)`, as `placed` puts it: the command that writes this very file."""
-    return shlex.join(placed(shlex.split(command_from(data)), path))
-
-
-def wrap_command(cmd: str, width: int = 88) -> str:
-    """Break a long command before its flags, shell-style, so it reads (and copies) well."""
-    words = shlex.split(cmd)
-    lines, cur = [], ""
-    for w in words:
-        q = shlex.quote(w)
-        if cur and w.startswith("--") and len(cur) + 1 + len(q) > width:
-            lines.append(cur + " \\")
-            cur = "  " + q
-        else:
-            cur = f"{cur} {q}" if cur else q
-    return "\n".join(lines + [cur])
 
 
 def _first(d: dict, *keys: str) -> Any:
@@ -441,179 +353,3 @@ def _correctness_lines(data: dict) -> list[str]:
     who = ", ".join(f"`{k}`" for k in (c.get("mismatches") or {})) or "some engine"
     return ["", f"!!! failure \"Token ids differ\"\n\n    Greedy token ids of {who} differ from "
                 f"this stage's on the first warmup: the timings compare different work."]
-
-
-UNITS = {"KiB": 1 / 1024, "MiB": 1 / 2**20, "%": 100.0}  # bench-value's optional last word: shown in it
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
-MINUS = "\u2212"  # how a negative figure is shown: a minus sign, not a hyphen, as the pages' prose writes it
-_KEY_RE = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.\w+)*")  # a dotted key in an '=' expression: results.0.x
-
-
-def _words(directive: str, args: str) -> list[str]:
-    """A directive's arguments, split as a shell would: a key with a space in it is quoted."""
-    try:
-        return shlex.split(args)
-    except ValueError as e:
-        raise DocsError(f"{directive}: {e} in {args!r}") from None
-
-
-def _quantity(data: Any, key: str, path: str) -> float:
-    """A dotted key's number, or with a leading '=' arithmetic (+ - * /, parentheses, numbers)
-    over such keys: '=(profiled_step_ms - groups_ms_profiled.matmul) / floor_matmul_ms_profiled'.
-    Either must be finite: a page never shows 'nan' or 'inf'."""
-    value = _evaluate(data, key, path) if key.startswith("=") else _number(data, key, path)
-    if not math.isfinite(value):
-        raise DocsError(f"{path}: {key!r} is {value}")
-    return value + 0.0  # -0.0 shows as 0
-
-
-def _evaluate(data: Any, key: str, path: str) -> float:
-    keys: list[str] = []
-
-    def name(m: re.Match) -> str:  # each key becomes a plain name for Python's parser: _k0, _k1, ...
-        keys.append(m.group(0))
-        return f"_k{len(keys) - 1}"
-
-    def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
-        if isinstance(node, ast.Name) and node.id.startswith("_k"):
-            return _number(data, keys[int(node.id[2:])], path)
-        raise DocsError(f"{path}: {key!r}: only + - * / and parentheses over dotted keys and numbers")
-    try:
-        tree = ast.parse(_KEY_RE.sub(name, key[1:]), mode="eval")
-    except SyntaxError:
-        raise DocsError(f"{path}: {key!r} is not an expression over dotted keys") from None
-    try:
-        return ev(tree.body)
-    except ZeroDivisionError:
-        raise DocsError(f"{path}: {key!r} divides by zero") from None
-
-
-def render_bench_value(root: Path, args: str) -> str:
-    parts = _words("bench-value", args)
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in UNITS):
-        raise DocsError(f"bench-value: expected 'PATH KEY [{'|'.join(UNITS)}]', got {args!r}")
-    data = load_result(root, parts[0])
-    if data is None:
-        return "*pending*"
-    unit = parts[2] if len(parts) == 3 else None
-    return _figures([_quantity(data, parts[1], parts[0])], unit)[0] + (f" {unit}" if unit else "")
-
-
-def _quantities(data: Any, key: str, path: str) -> list[float]:
-    """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms', or
-    a list of numbers' own items, 'floor_samples_ms.*'; in arithmetic every '*' takes the same
-    item: '=pairs.*.a - pairs.*.b'."""
-    m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
-    if m is None and key.endswith(".*") and not key.startswith("="):
-        items = lookup(data, key[:-2], path)
-        if not isinstance(items, list) or not items:
-            raise DocsError(f"{path}: {key[:-2]!r} is not a list to take '*' over")
-        return [_quantity(data, f"{key[:-2]}.{i}", path) for i in range(len(items))]
-    if m is None:
-        return [_quantity(data, key, path)]
-    head = m.group(1)
-    items = lookup(data, head, path)
-    if not isinstance(items, list) or not items:
-        raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
-    if key.startswith("="):
-        return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*.", f".{i}."), path)]
-    tail = key[m.end():]  # a plain key: each item's own lists are walked in turn
-    return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
-
-
-def _values_of(directive: str, root: Path, args: str) -> tuple[list[float] | None, str | None]:
-    """`PATH KEY [PATH KEY ...] [UNIT]`: every value named (a '*' key gives one per list item),
-    and the unit; None for the values while a file is not committed yet."""
-    parts = _words(directive, args)
-    unit = parts.pop() if len(parts) % 2 else None
-    if len(parts) < 2 or (unit is not None and unit not in UNITS):
-        raise DocsError(f"{directive}: expected 'PATH KEY [PATH KEY ...] [{'|'.join(UNITS)}]', got {args!r}")
-    values: list[float] = []
-    for path, key in zip(parts[::2], parts[1::2]):
-        data = load_result(root, path)
-        if data is None:
-            return None, unit
-        values += _quantities(data, key, path)
-    return values, unit
-
-
-def _figures(values: list[float], unit: str | None) -> list[str]:
-    """Figures shown side by side, all alike: "0.94 to 1.00", not "0.94 to 1"."""
-    if unit:
-        return [f"{v * UNITS[unit]:.1f}".replace("-", MINUS) for v in values]
-    digits = 0 if all(v.is_integer() for v in values) else 2  # a count (kernel launches a step) reads as one
-    return [f"{v:.{digits}f}".replace("-", MINUS) for v in values]
-
-
-def render_bench_range(root: Path, args: str) -> str:
-    """'LOW to HIGH' of one quantity over several results, or over a list's items ('pairs.*.x')."""
-    values, unit = _values_of("bench-range", root, args)
-    if values is None:
-        return "*pending*"
-    low, high = _figures([min(values), max(values)], unit)
-    return f"{low} to {high}" + (f" {unit}" if unit else "")
-
-
-def render_bench_median(root: Path, args: str) -> str:
-    """The median of the same: the middle of a run's pairs, say ('overhead.pairs.*.x')."""
-    values, unit = _values_of("bench-median", root, args)
-    if values is None:
-        return "*pending*"
-    return _figures([statistics.median(values)], unit)[0] + (f" {unit}" if unit else "")
-
-
-def _finite(word: str) -> float | None:
-    """The word as a finite number, or None."""
-    try:
-        value = float(word)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-_COMPARE = {">": operator.gt, "<": operator.lt, ">=": operator.ge, "<=": operator.le}
-
-
-def render_bench_count(root: Path, args: str) -> str:
-    """'N of M': how many of a list's items (a '*' key) pass a test, against a number or against
-    the median of another key's values ('PATH KEY > 10', 'PATH KEY < PATH2 KEY2'), so that a
-    page's "7 of the 10 pairs" is counted from the file, never typed."""
-    parts = _words("bench-count", args)
-    if len(parts) not in (4, 5) or parts[2] not in _COMPARE or ".*." not in parts[1]:
-        raise DocsError(f"bench-count: expected 'PATH KEY.*.X {'|'.join(_COMPARE)} (NUMBER | PATH KEY)', got {args!r}")
-    limit = _finite(parts[3])  # checked before any file is read
-    if len(parts) == 4 and limit is None:
-        raise DocsError(f"bench-count: {parts[3]!r} is not a finite number (or give 'PATH KEY')")
-    if len(parts) == 5 and limit is not None:
-        raise DocsError(f"bench-count: a number limit takes no fifth word, got {args!r}")
-    data = load_result(root, parts[0])
-    if data is None:
-        return "*pending*"
-    values = _quantities(data, parts[1], parts[0])
-    if limit is None:
-        other = load_result(root, parts[3])
-        if other is None:
-            return "*pending*"
-        limit = statistics.median(_quantities(other, parts[4], parts[3]))
-    return f"{sum(_COMPARE[parts[2]](v, limit) for v in values)} of {len(values)}"
-
-
-def render_bench_ratio(root: Path, args: str) -> str:
-    parts = _words("bench-ratio", args)
-    if len(parts) == 3:  # both keys in one file
-        parts = [parts[0], parts[1], parts[0], parts[2]]
-    if len(parts) != 4:
-        raise DocsError(f"bench-ratio: expected 'PATH NUMERATOR_KEY DENOMINATOR_KEY' or "
-                        f"'PATH NUMERATOR_KEY PATH DENOMINATOR_KEY', got {args!r}")
-    num_data, den_data = load_result(root, parts[0]), load_result(root, parts[2])
-    if num_data is None or den_data is None:
-        return "*pending*"
-    num, den = _quantity(num_data, parts[1], parts[0]), _quantity(den_data, parts[3], parts[2])
-    return "—" if den == 0 else f"{num / den:.2f}×".replace("-", MINUS)
