@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 
-from common.bench import profile_decode, profile_prefill  # at the top: a CPU run collects this file, so a wrong path fails there too
+from common.bench import profile_decode, profile_prefill, profiling  # at the top: a CPU run collects this file, so a wrong path fails there too
 from common.requests import Request, SamplingParams
 from conftest import STAGE_DIRS, stage_module, streaming_packages
 
@@ -169,7 +169,7 @@ def test_profiles_count_the_gpu_kernels(program, stage, tmp_path):
     assert r["device"].startswith("cuda") and r["kernel_ms_per_step"] > 0
     assert sum(r["groups_kernel_ms"].values()) == pytest.approx(r["kernel_ms_per_step"])
     assert all("kernel_ms_per_step" in row for row in r["ops"])
-    graph = [row for row in r["ops"] if row["op"] == profile_decode.GRAPH_KERNELS]
+    graph = [row for row in r["ops"] if row["op"] == profiling.GRAPH_KERNELS]
     if stage == "12":  # nearly all of a replayed step's kernels
         assert graph and graph[0]["kernel_ms_per_step"] > 0.5 * r["kernel_ms_per_step"]
     else:

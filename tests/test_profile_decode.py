@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.bench import profile_decode
+from common.bench import profile_decode, profiling
 
 
 @pytest.mark.parametrize("stage, flags", [pytest.param(s, [], id=s) for s in ("2", "3", "9", "11", "12")]
@@ -25,7 +25,7 @@ def test_profile_decode_on_tiny(stage: str, flags: list[str], tmp_path: Path, ca
     assert len(r["step_samples_ms"]) == 4 and r["decode_step_ms"] > 0 and r["floor_ms"] > 0
     # The groups are the op rows' (the shares are those over their sum, 1 in all by construction):
     # every listed op sits in its name's group, and the one matmul op is the whole matmul group.
-    assert all(row["group"] == profile_decode.group_of(row["op"]) for row in r["ops"])
+    assert all(row["group"] == profiling.group_of(row["op"]) for row in r["ops"])
     assert r["groups_ms_profiled"]["matmul"] == pytest.approx(mm[0]["ms_per_step"])
     assert r["groups_ms_profiled"]["matmul"] > 0 and r["groups_ms_profiled"]["attention"] > 0
     if stage != "2":  # the paged stages gather their blocks
@@ -103,11 +103,11 @@ def test_the_window_counts_each_decode_step_once_whether_a_graph_replays_it_or_n
 
 
 def test_groups() -> None:
-    assert profile_decode.group_of("aten::mm") == "matmul"
-    assert profile_decode.group_of("aten::index_select") == "kv_cache"
-    assert profile_decode.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
-    assert profile_decode.group_of("aten::_cudnn_attention_forward") == "attention"  # SDPA's CUDA backend, as the H200 named it
-    assert profile_decode.group_of("aten::rsqrt") == "other"
+    assert profiling.group_of("aten::mm") == "matmul"
+    assert profiling.group_of("aten::index_select") == "kv_cache"
+    assert profiling.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert profiling.group_of("aten::_cudnn_attention_forward") == "attention"  # SDPA's CUDA backend, as the H200 named it
+    assert profiling.group_of("aten::rsqrt") == "other"
 
 
 def test_ops_of_known_names_and_times_give_the_groups_and_their_ms() -> None:
@@ -126,19 +126,19 @@ def test_ops_of_known_names_and_times_give_the_groups_and_their_ms() -> None:
                     Row(key="tensor_parallel::all_reduce", self_cpu_time_total=400.0, count=8),  # stage 14's span
                     Row(key="aten::empty", self_cpu_time_total=0.0, count=9)]  # no own time: not an op row
 
-    ops = profile_decode.op_table(Prof(), steps=4)
+    ops = profiling.op_table(Prof(), steps=4)
     assert [(r["op"], r["group"]) for r in ops] == [
         ("mkldnn::_linear_pointwise", "matmul"), ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
         ("aten::index_select", "kv_cache"), ("aten::rsqrt", "other"), ("aten::addmm", "matmul"),
         ("aten::index_copy_", "kv_cache"), ("tensor_parallel::all_reduce", "communication"),
         ("aten::slice", "other")]  # largest first
-    fields = profile_decode.group_fields(ops)
+    fields = profiling.group_fields(ops)
     assert fields["groups_ms_profiled"] == pytest.approx({"matmul": 2.1, "attention": 0.5, "kv_cache": 0.4,
                                                           "communication": 0.1, "other": 0.2})
     assert fields["profiled_ms"] == pytest.approx(3.3)
     assert fields["groups_share"] == pytest.approx({"matmul": 2.1 / 3.3, "attention": 0.5 / 3.3, "kv_cache": 0.4 / 3.3,
                                                     "communication": 0.1 / 3.3, "other": 0.2 / 3.3})
-    assert profile_decode.group_fields([])["groups_share"] == {
+    assert profiling.group_fields([])["groups_share"] == {
         g: 0.0 for g in ("matmul", "attention", "kv_cache", "communication", "other")}
 
 
@@ -153,10 +153,10 @@ def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
                     Row(key="aten::add", self_cpu_time_total=200.0, self_device_time_total=100.0, count=4),
                     Row(key="ampere_sgemm_64x64", self_cpu_time_total=0.0, self_device_time_total=3000.0, count=8)]
 
-    rows = profile_decode.op_table(Prof(), steps=2, kernels=True)
+    rows = profiling.op_table(Prof(), steps=2, kernels=True)
     assert [(r["op"], r["ms_per_step"], r["kernel_ms_per_step"], r["calls_per_step"]) for r in rows] == [
         ("aten::mm", 0.2, 1.5, 4.0), ("aten::add", 0.1, 0.05, 2.0)]
-    assert all("kernel_ms_per_step" not in r for r in profile_decode.op_table(Prof(), steps=2))
+    assert all("kernel_ms_per_step" not in r for r in profiling.op_table(Prof(), steps=2))
 
     class Replayed(Prof):  # a CUDA graph's replay: its kernels' rows, launched by no op
         def key_averages(self):
@@ -164,11 +164,11 @@ def test_op_table_counts_kernel_time_under_the_op_that_launched_it() -> None:
                 Row(key="vectorized_elementwise_kernel", self_cpu_time_total=0.0, self_device_time_total=100.0, count=4),
                 Row(key="ampere_sgemm_64x64", self_cpu_time_total=0.0, self_device_time_total=5000.0, count=20)]
 
-    rows = profile_decode.op_table(Replayed(), steps=2, kernels=True)
+    rows = profiling.op_table(Replayed(), steps=2, kernels=True)
     assert [(r["op"], r["kernel_ms_per_step"]) for r in rows] == [
-        ("aten::mm", 1.5), ("aten::add", 0.05), (profile_decode.GRAPH_KERNELS, pytest.approx(2.5))]
-    assert profile_decode.kernel_fields(rows)["kernel_ms_per_step"] == pytest.approx(4.05)  # the GPU's whole time
-    assert profile_decode.graph_replays(rows) and not profile_decode.graph_replays(profile_decode.op_table(Prof(), 2, kernels=True))
+        ("aten::mm", 1.5), ("aten::add", 0.05), (profiling.GRAPH_KERNELS, pytest.approx(2.5))]
+    assert profiling.kernel_fields(rows)["kernel_ms_per_step"] == pytest.approx(4.05)  # the GPU's whole time
+    assert profiling.graph_replays(rows) and not profiling.graph_replays(profiling.op_table(Prof(), 2, kernels=True))
 
 
 def test_a_replayed_profile_reports_no_group_comparisons_and_an_eager_bound() -> None:
@@ -177,7 +177,7 @@ def test_a_replayed_profile_reports_no_group_comparisons_and_an_eager_bound() ->
     file from before that field was (its op rows say it)."""
     r = json.loads((Path(__file__).parents[1] / "docs/results/cuda/profile.s12_cuda_graphs.b64.gpt2-random.cuda.json").read_text())
     assert r["groups_ms_profiled"]["matmul"] == 0 and r["x_floor"] < r["x_floor_bound"]
-    assert r.get("graph_replays", True) and profile_decode.graph_replays(r["ops"])
+    assert r.get("graph_replays", True) and profiling.graph_replays(r["ops"])
     older = {k: v for k, v in r.items() if k != "graph_replays"}
     for report in (r, older):
         text = profile_decode.format_profile(report, top=5)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from common.bench import floor, profile_prefill
-from common.bench.profile_decode import group_of
+from common.bench.profiling import group_of
 
 
 def run(tmp_path: Path, stage: str, prompt_len: int, *extra: str) -> dict:

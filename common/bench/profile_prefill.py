@@ -37,8 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import output_file
-from common.bench.profile_decode import (group_fields, has_knob, kernel_fields, op_table, report_lines, result_head,
-                                         stage_class, stage_engine)
+from common.bench.profiling import (group_fields, has_knob, kernel_fields, op_table, report_lines, result_head,
+                                    stage_class, stage_engine)
 from common.bench.report import dtype_lines
 from common.commands import add_model_args, run_command
 
