@@ -368,6 +368,31 @@ def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):
     assert typed.num_requests == 7 and typed.repeat_runs == 1 and typed.max_new_tokens == 128  # flags still win
 
 
+def test_a_typed_kind_of_prompt_replaces_the_stages_own():
+    """Stage 12's BENCH asks for random 16-token prompts with EOS ignored, stage 13's for chat
+    questions: `--chat-prompts` on stage 12 runs stage 13's kind (it used to run the random ones
+    without a word), `--prompt-len-*` on stage 13 the random ones; both typed is an error."""
+    import importlib
+
+    from common.bench.flags import check_args, describe_workload, parse_bench_args
+
+    s12, s13 = (importlib.import_module(f"stages.{name}") for name in ("s12_cuda_graphs", "s13_preemption"))
+    chat = parse_bench_args(s12, ["--chat-prompts", "--max-new-tokens", "512"])
+    assert chat.chat_prompts and chat.prompt_len_min is None and chat.prompt_len_max is None
+    assert chat.no_stop_on_eos is False and describe_workload(chat).endswith("stop on EOS")
+    assert parse_bench_args(s12, ["--chat-prompts", "--no-stop-on-eos"]).no_stop_on_eos is True
+    assert parse_bench_args(s12, []).prompt_len_min == 16  # nothing typed: the stage's own
+    assert parse_bench_args(s12, ["--num-requests", "8"]).no_stop_on_eos is True
+    random_ = parse_bench_args(s13, ["--prompt-len-min", "20"])
+    check_args(random_)
+    assert not random_.chat_prompts and (random_.prompt_len_min, random_.prompt_len_max) == (20, 20)
+    assert parse_bench_args(s13, ["--chat-prompts"]).chat_prompts  # the stage's own kind, typed
+    with pytest.raises(ValueError, match="^--chat-prompts: cannot go with --prompt-len-min"):
+        parse_bench_args(s13, ["--chat-prompts", "--prompt-len-max", "9"])
+    with pytest.raises(ValueError, match="^chat_prompts: cannot go with prompt_len_range"):
+        build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, prompt_len_range=(4, 8))
+
+
 def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):
     from common.bench.flags import parse_bench_args
 

@@ -8,7 +8,7 @@ workload flag or engine knob means the same thing everywhere.
 - `add_streaming_args`, `add_manager_args` and `manager_knobs`: how requests are submitted, and
   the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
-  `--preset`) as defaults;
+  `--preset`) as defaults, and a kind of prompt typed in place of the stage's own;
 - `output_file` and `output_dir`: the argparse types of every `--json` and `--out`.
 """
 from __future__ import annotations
@@ -96,7 +96,8 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
     ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
     ("--chat-prompts", {"action": "store_true",
-                        "help": "a different short question per request, in the model's chat template (stops at EOS)"}),
+                        "help": "a different short question per request, in the model's chat template; they stop "
+                                "at EOS unless --no-stop-on-eos is given, whatever the stage's own workload"}),
     ("--num-requests", {"type": int, "default": 32}),
     ("--max-new-tokens", {"type": int, "default": 16}),
     ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (HTTP: sends ignore_eos)"}),
@@ -236,7 +237,28 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         parser = build_parser(prog)
         parser.set_defaults(**as_defaults(PRESETS[args.preset], parser, f"preset {args.preset!r}"))
         args = parser.parse_args(argv)
+    typed = build_parser(prog)
+    for action in typed._actions:
+        action.default = argparse.SUPPRESS  # so that only what the command line set is in the namespace
+    prompt_kind_typed(args, set(vars(typed.parse_args(argv))))
     return args
+
+
+def prompt_kind_typed(args: argparse.Namespace, typed: set[str]) -> None:
+    """A kind of prompt typed on the command line replaces the stage's own: `--chat-prompts` on
+    stage 12, whose BENCH asks for random 16-token prompts with EOS ignored, runs chat questions
+    that stop at EOS (unless `--no-stop-on-eos` is typed too), as stage 13's workload does;
+    `--prompt-len-min/max` on stage 13 runs random prompts. Typing both is an error naming them."""
+    chat, lengths = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"})
+    if chat and lengths:
+        raise ValueError("--chat-prompts: cannot go with --prompt-len-min/--prompt-len-max (random token prompts); "
+                         "choose one")
+    if chat:
+        args.prompt_len_min = args.prompt_len_max = None
+        if "no_stop_on_eos" not in typed:
+            args.no_stop_on_eos = False
+    elif lengths:
+        args.chat_prompts = False
 
 
 def check_args(args: argparse.Namespace) -> None:

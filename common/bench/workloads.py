@@ -117,6 +117,9 @@ def build_workload(
         lo_len, hi_len = (int(x) for x in prompt_len_range)
         if not 1 <= lo_len <= hi_len:
             raise ValueError(f"prompt_len_range: need 1 <= min <= max, got {prompt_len_range}")
+    if chat_prompts and prompt_len_range is not None:  # two kinds of prompt: one would be dropped without a word
+        raise ValueError(f"chat_prompts: cannot go with prompt_len_range {prompt_len_range} (random token prompts); "
+                         f"choose one")
     if not prompt and prompt_len_range is None:
         raise ValueError("prompt: empty prompt")
     if pretok_base_token_ids and not pretok:
