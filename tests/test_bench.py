@@ -389,8 +389,14 @@ def test_a_typed_kind_of_prompt_replaces_the_stages_own():
     assert parse_bench_args(s13, ["--chat-prompts"]).chat_prompts  # the stage's own kind, typed
     with pytest.raises(ValueError, match="^--chat-prompts: cannot go with --prompt-len-min"):
         parse_bench_args(s13, ["--chat-prompts", "--prompt-len-max", "9"])
+    s10 = importlib.import_module("stages.s10_block_prefix_cache")  # its BENCH: a 500-token shared prefix
+    assert parse_bench_args(s10, ["--chat-prompts"]).shared_prefix_len is None
+    with pytest.raises(ValueError, match="^--chat-prompts: cannot go with --shared-prefix-len"):
+        parse_bench_args(s10, ["--chat-prompts", "--shared-prefix-len", "8"])
     with pytest.raises(ValueError, match="^chat_prompts: cannot go with prompt_len_range"):
         build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, prompt_len_range=(4, 8))
+    with pytest.raises(ValueError, match="^chat_prompts: cannot go with shared_prefix_len"):
+        build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, shared_prefix_len=4)
 
 
 def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):

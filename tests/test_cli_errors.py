@@ -44,7 +44,11 @@ def test_every_stage_main_takes_the_model_flags_of_every_command(package) -> Non
 
 @pytest.mark.parametrize("flags, message", [(["--request-rate", "0"], "--request-rate must be > 0"),
                                             (["--request-rate", "-1"], "--request-rate must be > 0"),
-                                            (["--max-concurrency", "0"], "--max-concurrency must be >= 1")])
+                                            (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+                                            (["--chat-prompts", "--prompt-len-min", "8"],
+                                             "--chat-prompts: cannot go with --prompt-len-min"),
+                                            (["--chat-prompts", "--shared-prefix-len", "8"],
+                                             "--chat-prompts: cannot go with --shared-prefix-len")])
 def test_bench_serve_refuses_a_rate_or_concurrency_that_means_nothing(flags, message) -> None:
     with pytest.raises(ValueError, match=message):  # before it sends anything (no server here)
         bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "tiny", *flags])

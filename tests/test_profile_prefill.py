@@ -26,7 +26,7 @@ def test_profile_prefill_on_tiny(stage: str, tmp_path: Path, capsys, tiny) -> No
     # One forward: each projection once (oneDNN's op where the weights are packed, as on a CPU in fp32).
     mm = [row for row in r["ops"] if row["group"] == "matmul"]
     assert len(mm) == 1 and mm[0]["calls_per_step"] == 4 * tiny.config.num_layers + 1
-    # The groups are the op rows' (common/bench/profile_decode.py, tested there on ops of known
+    # The groups are the op rows' (common/bench/profiling.py, tested in test_profile_decode.py on ops of known
     # names): every listed op sits in its name's group, and the one matmul op is the whole group.
     assert all(row["group"] == group_of(row["op"]) for row in r["ops"])
     assert r["groups_ms_profiled"]["matmul"] == pytest.approx(mm[0]["ms_per_step"])

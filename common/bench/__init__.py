@@ -14,5 +14,6 @@ those above it in this list, and the engine's parts in `common/`):
   the child imports the engines, never the parent;
 - `harness` (`python -m stages.<stage>.bench`), `ladder` with `ladder_rungs`,
   `ladder_workloads` and `ladder_report`, and the tools that reuse them: `stability`,
-  `profile_decode`, `profile_prefill`, `parity`, `worker_probe`, `floor_curve`.
+  `profiling` (what the two profilers share), `profile_decode`, `profile_prefill`, `parity`,
+  `worker_probe`, `floor_curve`.
 """

@@ -97,7 +97,8 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
     ("--chat-prompts", {"action": "store_true",
                         "help": "a different short question per request, in the model's chat template; they stop "
-                                "at EOS unless --no-stop-on-eos is given, whatever the stage's own workload"}),
+                                "at EOS unless --no-stop-on-eos is given (on a stage's bench, in place of the "
+                                "stage's or the preset's own prompts and EOS setting)"}),
     ("--num-requests", {"type": int, "default": 32}),
     ("--max-new-tokens", {"type": int, "default": 16}),
     ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (HTTP: sends ignore_eos)"}),
@@ -227,8 +228,8 @@ def as_defaults(bench: dict, parser: argparse.ArgumentParser | None, where: str)
 
 def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = None) -> argparse.Namespace:
     """The flags of a stage's bench: its BENCH (or `--preset`'s workload instead) as defaults,
-    then what was typed. The bench and its worker processes both parse here, so they build the
-    same workload."""
+    then what was typed, a kind of prompt in place of the defaults' own (`prompt_kind_typed`).
+    The bench and its worker processes both parse here, so they build the same workload."""
     prog = prog or f"python -m {module.__name__}.bench"
     parser = build_parser(prog)
     parser.set_defaults(**bench_defaults(module, parser))
@@ -237,24 +238,35 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         parser = build_parser(prog)
         parser.set_defaults(**as_defaults(PRESETS[args.preset], parser, f"preset {args.preset!r}"))
         args = parser.parse_args(argv)
-    typed = build_parser(prog)
+    typed = build_parser(prog)  # no BENCH, no preset: only what the command line set is in its namespace
     for action in typed._actions:
-        action.default = argparse.SUPPRESS  # so that only what the command line set is in the namespace
+        action.default = argparse.SUPPRESS
     prompt_kind_typed(args, set(vars(typed.parse_args(argv))))
     return args
 
 
-def prompt_kind_typed(args: argparse.Namespace, typed: set[str]) -> None:
-    """A kind of prompt typed on the command line replaces the stage's own: `--chat-prompts` on
-    stage 12, whose BENCH asks for random 16-token prompts with EOS ignored, runs chat questions
-    that stop at EOS (unless `--no-stop-on-eos` is typed too), as stage 13's workload does;
-    `--prompt-len-min/max` on stage 13 runs random prompts. Typing both is an error naming them."""
-    chat, lengths = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"})
+def check_prompt_kind(chat: bool, lengths: bool, shared_prefix: bool) -> None:
+    """Chat questions are a kind of prompt of their own: random token prompts (`--prompt-len-*`)
+    or a random shared prefix cannot go with them, and one of the two would be dropped unseen."""
     if chat and lengths:
         raise ValueError("--chat-prompts: cannot go with --prompt-len-min/--prompt-len-max (random token prompts); "
                          "choose one")
+    if chat and shared_prefix:
+        raise ValueError("--chat-prompts: cannot go with --shared-prefix-len (the questions share no prefix); "
+                         "choose one")
+
+
+def prompt_kind_typed(args: argparse.Namespace, typed: set[str]) -> None:
+    """A kind of prompt typed on the command line replaces the stage's (or the preset's) own:
+    `--chat-prompts` on stage 12, whose BENCH asks for random 16-token prompts with EOS ignored,
+    runs chat questions that stop at EOS (unless `--no-stop-on-eos` is typed too), as stage 13's
+    workload does, and on stage 10 without its shared prefix; `--prompt-len-min/max` on stage 13
+    runs random prompts (that stop at EOS, as the stage's own did: only chat questions bring an
+    EOS setting of their own). Two kinds typed together are an error naming them."""
+    chat, lengths = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"})
+    check_prompt_kind(chat, lengths, "shared_prefix_len" in typed)
     if chat:
-        args.prompt_len_min = args.prompt_len_max = None
+        args.prompt_len_min = args.prompt_len_max = args.shared_prefix_len = None
         if "no_stop_on_eos" not in typed:
             args.no_stop_on_eos = False
     elif lengths:

@@ -55,11 +55,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import add_enforce_eager_arg, output_file
-from common.bench.report import dtype_lines
-from common.commands import add_model_args, run_command
 from common.bench.profiling import (GRAPH_KERNELS, graph_replays, group_fields, kernel_fields, op_table, report_lines,
                                     result_head, stage_class, stage_engine)
+from common.bench.report import dtype_lines
+from common.commands import add_model_args, run_command
 from common.config import ModelConfig
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewise profile-decode", description=__doc__.split("\n\n")[0])

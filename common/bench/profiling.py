@@ -101,7 +101,7 @@ def result_head(kind: str, package: str, loaded: Any, a: argparse.Namespace) -> 
 
 
 def by_group(ops: list[dict], key: str = "ms_per_step") -> dict[str, float]:
-    """The op rows' `key` summed per group (matmul, attention, kv_cache, other)."""
+    """The op rows' `key` summed per group (matmul, attention, kv_cache, communication, other)."""
     return {g: sum(r[key] for r in ops if r["group"] == g) for g in [*GROUPS, "other"]}
 
 

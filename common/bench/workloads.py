@@ -120,6 +120,8 @@ def build_workload(
     if chat_prompts and prompt_len_range is not None:  # two kinds of prompt: one would be dropped without a word
         raise ValueError(f"chat_prompts: cannot go with prompt_len_range {prompt_len_range} (random token prompts); "
                          f"choose one")
+    if chat_prompts and shared_prefix_len:
+        raise ValueError("chat_prompts: cannot go with shared_prefix_len (the questions share no prefix); choose one")
     if not prompt and prompt_len_range is None:
         raise ValueError("prompt: empty prompt")
     if pretok_base_token_ids and not pretok:

@@ -1,9 +1,9 @@
 """The command that wrote a committed result, for the stagewise hook and scripts/rerun_results.py.
 
 A page shows, under every table, the command a reader runs to get that table again; the rerun
-script runs exactly those commands. Both read them here: from the result's own `config` (the
-flags the benchmark was given), placed where the file lies now, or, for a file not committed
-yet, guessed from its name.
+script runs exactly those commands. Both read them here: the result's own `command`, or one
+rebuilt from its `config` (the flags the benchmark was given), placed where the file lies now;
+for a file not committed yet, guessed from its name.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Why separate: the hook (stagewise.py) finds directives; this module knows the JSON shape that
 common/bench/harness.py writes (design.md, "Bench JSON") and turns it into tables. A missing file is
 `None` (the page says how to produce it); a malformed one raises DocsError, failing the build.
-Beside it: stagewise_commands.py (the command under each table) and stagewise_values.py (single
-figures inside a sentence), which read results through `load_result` and `lookup` here.
+Beside it: stagewise_commands.py (the command under each table, which this module imports) and
+stagewise_values.py (single figures inside a sentence, reading results through `load_result` and
+`lookup` here).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Figures inside a sentence, from the committed bench JSON: `bench-value`, `bench-ratio`,
 `bench-range`, `bench-median` and `bench-count`, for the stagewise hook.
 
-Why separate from stagewise_results.py: that module turns a whole result into tables and a
-command; this one reads single quantities out of results (a dotted key, '*' over a list's items,
+Why separate from stagewise_results.py: that module turns a whole result into tables (with the
+command from stagewise_commands.py under them); this one reads single quantities out of results (a dotted key, '*' over a list's items,
 or '=' arithmetic over keys) and prints them as a page's prose does, so that no figure in a
 sentence is ever typed by hand.
 """
@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from stagewise_results import DocsError, load_result, lookup, _number
+from stagewise_results import DocsError, _number, load_result, lookup
 
 
 UNITS = {"KiB": 1 / 1024, "MiB": 1 / 2**20, "%": 100.0}  # bench-value's optional last word: shown in it
