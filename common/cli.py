@@ -20,7 +20,7 @@ import importlib
 import sys
 
 from common import stages as registry
-from common.commands import add_model_args, run_command
+from common.commands import add_model_args, add_sampling_args, run_command, sampling_knobs
 
 
 def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -75,12 +75,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from common.requests import Request, SamplingParams
     from common.tokenizer import chat_prompt
 
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, **sampling_knobs(args))
+    params.validate()  # bad flags: before any weights
     module = importlib.import_module(registry.resolve_stage(args.stage))
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt = args.prompt if args.no_chat else chat_prompt(loaded.tokenizer, args.prompt)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, do_sample=args.do_sample, seed=args.seed)
-    params.validate()
     engine = module.InferenceEngine(loaded)
     manager_cls = getattr(module, "SchedulerManager", None)
     if manager_cls is None or args.no_stream:
@@ -104,11 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stage", default=str(max(registry.STAGES)), help="stage number or name (default: newest)")
     add_model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--do-sample", action="store_true")
-    gen.add_argument("--seed", type=int, default=None)
+    add_sampling_args(gen)
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end, even on stage 04+")
     sub.add_parser("bench", add_help=False, help="a stage's benchmark: bench --stage N [bench flags] (--help for them)")

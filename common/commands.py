@@ -30,6 +30,28 @@ DTYPE_HELP = ("auto (bfloat16 where the hardware runs it natively: CUDA, a CPU w
               "float32 | bfloat16 | float16; default: bfloat16 on CUDA, float32 on a CPU")
 
 
+def add_sampling_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--do-sample and the knobs it turns on, as transformers' `generate` names them (`stagewise
+    generate` and each stage's `python -m stages.<stage>`). Without --do-sample the output is greedy."""
+    p.add_argument("--do-sample", action="store_true", help="sample (default: greedy, the argmax)")
+    p.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="with --do-sample (default 0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="with --do-sample: the request's own random stream")
+
+
+def sampling_knobs(args: argparse.Namespace) -> dict:
+    """`add_sampling_args`' flags as SamplingParams' keywords (those not typed keep its defaults).
+    A knob typed without --do-sample is a ValueError naming it: the output would be greedy and the
+    knob unused without a word (transformers' `generate` warns; `--temperature 0`, greedy's usual
+    spelling, is allowed)."""
+    typed = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "seed") if getattr(args, k) is not None}
+    unused = [k for k, v in typed.items() if not (k == "temperature" and v == 0)]
+    if unused and not args.do_sample:
+        raise ValueError(f"{unused[0]}: only used when sampling; add --do-sample (without it the output is greedy)")
+    return {"do_sample": args.do_sample, **typed}
+
+
 def add_model_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--model, --device and --dtype, the same in every program that loads a model (`stagewise`
     and its subcommands, each stage's `python -m stages.<stage>` and its bench)."""

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from common.commands import add_model_args, run_command
+from common.commands import add_model_args, add_sampling_args, run_command, sampling_knobs
 from common.loader import load_model
 from common.requests import Request, SamplingParams
 from common.tokenizer import chat_prompt
@@ -18,22 +18,16 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--do-sample", action="store_true")
-    parser.add_argument("--seed", type=int, default=None)
+    add_sampling_args(parser)
     parser.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false")
     parser.add_argument("--no-chat", dest="chat", action="store_false", help="send the raw prompt, no chat template")
     args = parser.parse_args(argv)
+    # Bad flags are refused here, before any weights load.
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_on_eos=args.stop_on_eos, **sampling_knobs(args))
 
     stage = importlib.import_module(__package__)  # this stage's package, not another one
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = stage.InferenceEngine(loaded, max_batch_size=args.max_batch_size)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, do_sample=args.do_sample, stop_on_eos=args.stop_on_eos, seed=args.seed,
-    )
     texts = [chat_prompt(loaded.tokenizer, p) if args.chat else p for p in args.prompts]
     for prompt, completion in zip(args.prompts, engine.generate([Request(prompt=t, params=params) for t in texts])):
         print(f"### {prompt}")
