@@ -393,6 +393,18 @@ def test_a_typed_kind_of_prompt_replaces_the_stages_own():
     assert parse_bench_args(s10, ["--chat-prompts"]).shared_prefix_len is None
     with pytest.raises(ValueError, match="^--chat-prompts: cannot go with --shared-prefix-len"):
         parse_bench_args(s10, ["--chat-prompts", "--shared-prefix-len", "8"])
+    text = parse_bench_args(s12, ["--prompt", "Tell me a story"])  # a text in place of the random prompts
+    assert text.prompt_len_min is None and describe_workload(text).startswith("prompt 'Tell me a story'")
+    assert not parse_bench_args(s13, ["--prompt", "Tell me a story"]).chat_prompts
+    assert parse_bench_args(s13, ["--prompt", "Hello"]).chat_prompts  # the default, as rebuilt commands spell it
+    for argv, other in ((["--chat-prompts"], "--chat-prompts"), (["--prompt-len-min", "4"], "--prompt-len-min")):
+        with pytest.raises(ValueError, match=f"^--prompt: cannot go with {other}"):
+            parse_bench_args(s12, ["--prompt", "Tell me a story", *argv])
+    s09 = importlib.import_module("stages.s09_batched_worker_lookups")  # its BENCH: prefix cache off
+    assert parse_bench_args(s09, []).no_prefix_cache
+    assert not parse_bench_args(s09, ["--prefix-cache-max-entries", "64"]).no_prefix_cache  # typed: on, that size
+    with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):
+        parse_bench_args(s09, ["--prefix-cache-max-entries", "64", "--no-prefix-cache"])
     with pytest.raises(ValueError, match="^chat_prompts: cannot go with prompt_len_range"):
         build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, prompt_len_range=(4, 8))
     with pytest.raises(ValueError, match="^chat_prompts: cannot go with shared_prefix_len"):

@@ -74,7 +74,9 @@ def test_sampling_knobs_take_what_was_typed() -> None:
                                             (["--chat-prompts", "--prompt-len-min", "8"],
                                              "--chat-prompts: cannot go with --prompt-len-min"),
                                             (["--chat-prompts", "--shared-prefix-len", "8"],
-                                             "--chat-prompts: cannot go with --shared-prefix-len")])
+                                             "--chat-prompts: cannot go with --shared-prefix-len"),
+                                            (["--prompt", "Hi there", "--prompt-len-min", "8"],
+                                             "--prompt: cannot go with --prompt-len-min")])
 def test_bench_serve_refuses_a_rate_or_concurrency_that_means_nothing(flags, message) -> None:
     with pytest.raises(ValueError, match=message):  # before it sends anything (no server here)
         bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "tiny", *flags])

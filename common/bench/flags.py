@@ -241,36 +241,48 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
     typed = build_parser(prog)  # no BENCH, no preset: only what the command line set is in its namespace
     for action in typed._actions:
         action.default = argparse.SUPPRESS
-    prompt_kind_typed(args, set(vars(typed.parse_args(argv))))
+    typed_names = set(vars(typed.parse_args(argv)))
+    prompt_kind_typed(args, typed_names, text="prompt" in typed_names and args.prompt != parser.get_default("prompt"))
+    if "prefix_cache_max_entries" in typed_names:  # a size typed for the cache turns it on, over a BENCH's "off"
+        if "no_prefix_cache" in typed_names and args.prefix_cache_max_entries:
+            raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
+        args.no_prefix_cache = args.no_prefix_cache and "no_prefix_cache" in typed_names
     return args
 
 
-def check_prompt_kind(chat: bool, lengths: bool, shared_prefix: bool) -> None:
-    """Chat questions are a kind of prompt of their own: random token prompts (`--prompt-len-*`)
-    or a random shared prefix cannot go with them, and one of the two would be dropped unseen."""
+def check_prompt_kind(chat: bool, lengths: bool, shared_prefix: bool, text: bool = False) -> None:
+    """One kind of prompt at a time: a text (`--prompt`), chat questions or random token prompts
+    (`--prompt-len-*`); chat questions share no random prefix either. Given two, one would be
+    dropped unseen, so each pair is a ValueError naming both flags."""
     if chat and lengths:
         raise ValueError("--chat-prompts: cannot go with --prompt-len-min/--prompt-len-max (random token prompts); "
                          "choose one")
     if chat and shared_prefix:
         raise ValueError("--chat-prompts: cannot go with --shared-prefix-len (the questions share no prefix); "
                          "choose one")
+    if text and (chat or lengths):
+        other = "--chat-prompts" if chat else "--prompt-len-min/--prompt-len-max (random token prompts)"
+        raise ValueError(f"--prompt: cannot go with {other}; choose one")
 
 
-def prompt_kind_typed(args: argparse.Namespace, typed: set[str]) -> None:
+def prompt_kind_typed(args: argparse.Namespace, typed: set[str], text: bool = False) -> None:
     """A kind of prompt typed on the command line replaces the stage's (or the preset's) own:
     `--chat-prompts` on stage 12, whose BENCH asks for random 16-token prompts with EOS ignored,
     runs chat questions that stop at EOS (unless `--no-stop-on-eos` is typed too), as stage 13's
     workload does, and on stage 10 without its shared prefix; `--prompt-len-min/max` on stage 13
     runs random prompts (that stop at EOS, as the stage's own did: only chat questions bring an
-    EOS setting of their own). Two kinds typed together are an error naming them."""
+    EOS setting of their own); a `--prompt` other than the defaults' (`text`) runs that text.
+    Two kinds typed together are an error naming them."""
     chat, lengths = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"})
-    check_prompt_kind(chat, lengths, "shared_prefix_len" in typed)
+    check_prompt_kind(chat, lengths, "shared_prefix_len" in typed, text)
     if chat:
         args.prompt_len_min = args.prompt_len_max = args.shared_prefix_len = None
         if "no_stop_on_eos" not in typed:
             args.no_stop_on_eos = False
     elif lengths:
         args.chat_prompts = False
+    elif text:
+        args.chat_prompts, args.prompt_len_min, args.prompt_len_max = False, None, None
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -224,12 +224,13 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     check_run_args(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1 (leave it out: no limit), got {args.max_concurrency}")
     check_prompt_kind(args.chat_prompts, args.prompt_len_min is not None or args.prompt_len_max is not None,
-                      bool(args.shared_prefix_len))
+                      bool(args.shared_prefix_len), args.prompt != parser.get_default("prompt"))
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
     args.pretok = args.pretok_base_token_ids = False  # what workload_from_args reads; ids travel as `prompt`
