@@ -230,6 +230,11 @@ def test_shared_prefix_and_repeats():
     assert ids[0] == ids[1] and ids[2] == ids[3] and len(set(ids)) == 3
     with pytest.raises(ValueError, match="^num_requests"):
         build_workload(FakeTokenizer(), num_requests=0, max_new_tokens=1)
+    # A length counts the prefix: 8 tokens of prefix and lengths 4-20 would cut some prompts to 9 tokens
+    with pytest.raises(ValueError, match=r"^prompt_len_range: \(4, 20\) counts the shared prefix of 8"):
+        build_workload(FakeTokenizer(), num_requests=2, prompt_len_range=(4, 20), shared_prefix_len=8, max_new_tokens=1)
+    with pytest.raises(ValueError, match="^long_max_new_tokens: only used with long_every"):
+        build_workload(FakeTokenizer(), num_requests=2, long_max_new_tokens=9, max_new_tokens=1)
 
 
 def test_long_prompts_arrive_late_after_the_others():

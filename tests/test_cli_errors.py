@@ -76,7 +76,8 @@ def test_sampling_knobs_take_what_was_typed() -> None:
                                             (["--chat-prompts", "--shared-prefix-len", "8"],
                                              "--chat-prompts: cannot go with --shared-prefix-len"),
                                             (["--prompt", "Hi there", "--prompt-len-min", "8"],
-                                             "--prompt: cannot go with --prompt-len-min")])
+                                             "--prompt: cannot go with --prompt-len-min"),
+                                            (["--arrivals", "poisson"], "--arrivals poisson: spaces requests")])
 def test_bench_serve_refuses_a_rate_or_concurrency_that_means_nothing(flags, message) -> None:
     with pytest.raises(ValueError, match=message):  # before it sends anything (no server here)
         bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "tiny", *flags])
@@ -180,7 +181,9 @@ def test_serve_refuses_a_host_that_does_not_resolve_before_it_loads_the_model(mo
                                             (["--num-requests", "0"], "--num-requests must be >= 1"),
                                             (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
                                             (["--request-rate", "0"], "--request-rate must be > 0"),
-                                            (["--timeout-s", "inf"], "--timeout-s must be > 0 and finite")])
+                                            (["--timeout-s", "inf"], "--timeout-s must be > 0 and finite"),
+                                            (["--vllm-python", "/x/python"], "--vllm-python: only used with --against vllm"),
+                                            (["--vllm-kv-cache-gb", "8"], "--vllm-kv-cache-gb: only used with")])
 def test_serve_compare_checks_its_flags_before_it_starts_a_server(flags, message, monkeypatch) -> None:
     """A bad stage or count used to surface only when its side's turn came, minutes in."""
     from common.serve import compare

@@ -122,6 +122,12 @@ def build_workload(
                          f"choose one")
     if chat_prompts and shared_prefix_len:
         raise ValueError("chat_prompts: cannot go with shared_prefix_len (the questions share no prefix); choose one")
+    if shared_prefix_len and prompt_len_range is not None and min(prompt_len_range) <= shared_prefix_len:
+        # a random prompt's length counts its prefix: one no longer than the prefix would be cut to prefix + 1 token
+        raise ValueError(f"prompt_len_range: {tuple(prompt_len_range)} counts the shared prefix of {shared_prefix_len} "
+                         f"tokens, so its lengths must exceed it")
+    if long_max_new_tokens is not None and long_every is None:
+        raise ValueError("long_max_new_tokens: only used with long_every (which requests are the long ones)")
     if not prompt and prompt_len_range is None:
         raise ValueError("prompt: empty prompt")
     if pretok_base_token_ids and not pretok:

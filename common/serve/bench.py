@@ -221,6 +221,8 @@ def check_run_args(args: argparse.Namespace) -> None:
     if args.request_rate is not None and not args.request_rate > 0:  # inf (the default) is a burst; 0 would
         # divide by zero, and a negative rate means nothing
         raise ValueError(f"--request-rate must be > 0 (inf: a burst), got {args.request_rate:g}")
+    if getattr(args, "arrivals", "fixed") != "fixed" and args.request_rate in (None, float("inf")):
+        raise ValueError(f"--arrivals {args.arrivals}: spaces requests at --request-rate; a burst has no spacing")
 
 
 def main(argv: list[str] | None = None) -> int:
