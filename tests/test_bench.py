@@ -353,6 +353,11 @@ def test_offline_bench_says_it_ignores_the_late_arrivals(fake_stages, capsys):
                                           "--repeat-runs", "1"])
     assert result["requests"] == 7 and result["completion_tokens"] == 21  # 5 + 2 late, 3 tokens each
     assert any("planned arrivals (--long-prompts) are ignored" in n for n in result["notes"])
+    assert not any("scheduler manager" in n for n in result["notes"])  # no streaming flag was set
+    result = run_stage_bench("fake_s02", ["--warmup-runs", "0", "--repeat-runs", "1", "--stream-interval", "8",
+                                          "--submit-interval-ms", "20", "--max-queue-delay-ms", "5"])
+    assert ("offline generate() has no scheduler manager, submitter or stream: --stream-interval, "
+            "--max-queue-delay-ms, --submit-interval-ms not applied") in result["notes"]
 
 
 def test_preset_post_052_replaces_the_stages_bench(fake_stages, monkeypatch):

@@ -162,6 +162,19 @@ def add_manager_args(g: argparse._ArgumentGroup) -> None:
                    help="with --max-queue-delay-ms: admit once no request has arrived for this long")
 
 
+# What only a streaming run reads (its SchedulerManager, its submitter, its stream): an offline
+# run, one generate() over every request, has none of them.
+STREAMING_FLAGS = ("tokenize_workers", "stream_interval", "max_queue_delay_ms", "queue_quiet_ms",
+                  "prefill_max_batch_size", "submit_interval_ms", "submit_schedule", "request_timeout_s")
+
+
+def offline_unused(args: argparse.Namespace) -> list[str]:
+    """The streaming-only flags set away from their plain defaults (typed, or by the stage's
+    BENCH): an offline run leaves them unused, and its report says so."""
+    plain = build_parser("bench")
+    return ["--" + k.replace("_", "-") for k in STREAMING_FLAGS if getattr(args, k) != plain.get_default(k)]
+
+
 def manager_knobs(args: argparse.Namespace) -> dict:
     """SchedulerManager keyword arguments from the flags; pass them through `accepted`, since
     earlier stages' managers take fewer."""

@@ -26,7 +26,7 @@ from common import stages as registry
 from common.commands import run_command
 from common.bench.engines import build_specs, engine_result, offline_header, run_engines, run_offline_once, shared_process
 from common.bench.envinfo import collect_env
-from common.bench.flags import check_args, parse_bench_args, workload_from_args
+from common.bench.flags import check_args, offline_unused, parse_bench_args, workload_from_args
 from common.bench.floor import FloorSampler, decode_batch
 from common.bench.report import comparison_ratios, format_comparison, format_report
 from common.bench.results import write_json
@@ -61,6 +61,9 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     if mode == "offline" and any(r.submit_offset_s is not None for r in requests):
         notes.append("offline generate() takes every request at once: the late requests' planned arrivals "
                      "(--long-prompts) are ignored")
+    if mode == "offline" and offline_unused(args):
+        notes.append(f"offline generate() has no scheduler manager, submitter or stream: "
+                     f"{', '.join(offline_unused(args))} not applied")
     for note in notes:
         print(f"note: {note}", flush=True)
 
