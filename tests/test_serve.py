@@ -430,6 +430,24 @@ def test_serve_refuses_a_stage_without_a_scheduler_manager() -> None:
         serve_engine.build_manager(p.parse_args(["--stage", "3", "--model", "tiny"]))
 
 
+def test_serve_refuses_an_engine_knob_its_stage_does_not_take(monkeypatch) -> None:
+    """The bench notes a knob a stage takes no (and runs on); a server would run without it all its
+    life without a word. Refused naming the flag, before the model loads."""
+    import argparse
+
+    import common.loader
+    from common.serve import engine as serve_engine
+    monkeypatch.setattr(common.loader, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    p = argparse.ArgumentParser()
+    serve_engine.add_serve_args(p)
+    for flags, message in ((["--stage", "9", "--max-num-batched-tokens", "512"],
+                            "--max-num-batched-tokens: s09_batched_worker_lookups takes no max_num_batched_tokens"),
+                           (["--stage", "13", "--tensor-parallel-size", "2"], "--tensor-parallel-size: s13_preemption"),
+                           (["--stage", "4", "--no-prefix-cache"], "--no-prefix-cache: s04_online_scheduler takes no")):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            serve_engine.build_manager(p.parse_args([*flags, "--model", "tiny"]))
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_text_event_is_the_dict_path_byte_for_byte(chat: bool) -> None:
     """A token's SSE event from the per-stream template equals json.dumps of the whole chunk."""

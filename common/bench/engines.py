@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from common import stages as registry
-from common.bench.flags import PREFIX_CACHE_KNOBS, accepted, describe_workload, engine_knobs
+from common.bench.flags import accepted, describe_workload, engine_knobs, knobs_not_taken
 from common.bench.floor import with_x_floor
 from common.bench.metrics import median_summary, summarize
 from common.bench.workloads import fresh_copies
@@ -44,15 +44,7 @@ class EngineSpec:
 def stage_spec(package: str, args: argparse.Namespace, loaded, notes: list[str]) -> EngineSpec:
     module = importlib.import_module(package)
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
-    ignored = sorted(k for k, v in engine_knobs(args).items() if v is not None and k not in knobs)
-    manager = getattr(module, "SchedulerManager", None)
-    if manager is not None:  # knobs the manager takes itself (e.g. prefill_max_batch_size) are not "ignored"
-        ignored = [k for k in ignored if k not in accepted(manager, engine_knobs(args))]
-    # `--no-prefix-cache` reached the stage if it took either of the two knobs; report it once otherwise.
-    took_cache_knob = any(k in knobs for k in PREFIX_CACHE_KNOBS)
-    explicit = {"prefix_cache_max_entries"} if args.prefix_cache_max_entries is not None else set()
-    ignored = [k for k in ignored if k not in PREFIX_CACHE_KNOBS or k in explicit
-               or (not took_cache_knob and k == "prefix_cache_max_entries")]
+    ignored = knobs_not_taken(module, args)
     if ignored:
         notes.append(f"{registry.short_name(package)} takes no {', '.join(ignored)}: not applied")
     return EngineSpec(registry.short_name(package),

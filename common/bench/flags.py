@@ -355,6 +355,22 @@ def accepted(callable_: Any, knobs: dict) -> dict:
     return {k: v for k, v in knobs.items() if v is not None and k in params and params[k].kind in kinds}
 
 
+def knobs_not_taken(module: ModuleType, args: argparse.Namespace) -> list[str]:
+    """The engine knobs set that neither the stage's engine nor its SchedulerManager takes (the
+    manager takes prefill_max_batch_size, say). `--no-prefix-cache` reached the stage if it took
+    either of its two knobs; where it took neither, it is named once."""
+    knobs = engine_knobs(args)
+    taken = accepted(module.InferenceEngine, knobs)
+    ignored = sorted(k for k, v in knobs.items() if v is not None and k not in taken)
+    manager = getattr(module, "SchedulerManager", None)
+    if manager is not None:
+        ignored = [k for k in ignored if k not in accepted(manager, knobs)]
+    took_cache_knob = any(k in taken for k in PREFIX_CACHE_KNOBS)
+    explicit = {"prefix_cache_max_entries"} if args.prefix_cache_max_entries is not None else set()
+    return [k for k in ignored if k not in PREFIX_CACHE_KNOBS or k in explicit
+            or (not took_cache_knob and k == "prefix_cache_max_entries")]
+
+
 def engine_knobs(args: argparse.Namespace) -> dict:
     knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
     knobs["enforce_eager"] = getattr(args, "enforce_eager", None)  # offered only when asked for, either way

@@ -40,7 +40,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     from common import stages as registry
-    from common.bench.flags import accepted, engine_knobs, manager_knobs
+    from common.bench.flags import accepted, engine_knobs, knobs_not_taken, manager_knobs
     from common.loader import load_model
 
     package = registry.resolve_stage(args.stage)  # an unknown stage: a ValueError
@@ -48,6 +48,13 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
         module = importlib.import_module(registry.streaming_stage(package))
     except ValueError as exc:  # a stage without a manager: the server exits with why (engine_process.py too)
         raise SystemExit(f"serve: {exc}") from None
+    ignored = knobs_not_taken(module, args)  # the bench runs on with a note; a server would run so all its life
+    if ignored:
+        cache_flag = {"enable_prefix_caching"}  # no flag of its own: --no-prefix-cache sets it, and maybe the other
+        if args.prefix_cache_max_entries is None:
+            cache_flag.add("prefix_cache_max_entries")
+        flags = ["--no-prefix-cache" if k in cache_flag else "--" + k.replace("_", "-") for k in ignored]
+        raise ValueError(f"{', '.join(flags)}: {registry.short_name(package)} takes no {', '.join(ignored)}")
     torch.manual_seed(args.seed)
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
     # Split across ranks (stage 14), every rank reads its own share of the weights: none loads them all.
