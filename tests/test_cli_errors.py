@@ -132,6 +132,10 @@ def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps(monke
         profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--batch", "16", "--prompt-len", "115", "--steps", "2"])
     with pytest.raises(ValueError, match=r"--batch 300: this stage's steps hold at most 256 tokens"):  # not 'no room'
         profile_decode.main(["--stage", "11", "--model", "tiny", "--device", "cpu", "--batch", "300", "--prompt-len", "16"])
+    for flags, message in ((["--tensor-parallel-size", "2"], "--tensor-parallel-size: stages.s09_batched_worker_lookups takes"),
+                           (["--no-enforce-eager"], "--no-enforce-eager: stages.s09_batched_worker_lookups takes no")):
+        with pytest.raises(ValueError, match=f"^{message}"):  # the profile would be stage 09's own steps
+            profile_decode.main(["--stage", "9", "--model", "tiny", "--device", "cpu", *flags])
 
 
 @pytest.mark.parametrize("flag", ["--json", "--out"])

@@ -55,8 +55,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import add_enforce_eager_arg, output_file
-from common.bench.profiling import (GRAPH_KERNELS, graph_replays, group_fields, kernel_fields, op_table, report_lines,
-                                    result_head, stage_class, stage_engine)
+from common.bench.profiling import (GRAPH_KERNELS, graph_replays, group_fields, has_knob, kernel_fields, op_table,
+                                    report_lines, result_head, stage_class, stage_engine)
 from common.bench.report import dtype_lines
 from common.commands import add_model_args, run_command
 from common.config import ModelConfig
@@ -182,6 +182,11 @@ def measure(a: argparse.Namespace) -> dict:
 
     machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
     package, engine_class, config = stage_class(a)
+    for flag, knob, value in (("--tensor-parallel-size", "tensor_parallel_size", a.tensor_parallel_size),
+                              ("--enforce-eager" if a.enforce_eager else "--no-enforce-eager", "enforce_eager",
+                               a.enforce_eager)):
+        if value is not None and not has_knob(engine_class, knob):  # the profile would be of what the stage does anyway
+            raise ValueError(f"{flag}: {package} takes no {knob}")
     new_tokens = decode_tokens(a, engine_class, config)  # before the weights load
     loaded, engine = stage_engine(a, engine_class, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,
                                                     "tensor_parallel_size": a.tensor_parallel_size})
