@@ -94,6 +94,18 @@ def test_bench_serve_workload_flags_match_the_benches() -> None:
         assert ours[dest] == theirs[dest], flag
 
 
+def test_bench_serve_says_chat_questions_go_to_completions_as_plain_text() -> None:
+    """The benches wrap each question in the chat template; bench-serve sends /v1/completions the
+    bare question (the server applies no template there), and its header says so."""
+    from common.serve import bench as bench_serve
+    for endpoint, plain in (("completions", True), ("chat", False)):
+        args = bench_serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:9", "--model", "tiny",
+                                                      "--chat-prompts", "--endpoint", endpoint])
+        workload = bench_serve.header(args, bench_serve.Target(args.base_url, endpoint, None))["Workload"]
+        assert workload.startswith("a different short chat question each")
+        assert ("as plain text: /v1/completions applies no chat template" in workload) is plain
+
+
 
 # ----------------------------------------------------------------------------- serve-overhead
 

@@ -96,9 +96,10 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
     ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
     ("--chat-prompts", {"action": "store_true",
-                        "help": "a different short question per request, in the model's chat template; they stop "
-                                "at EOS unless --no-stop-on-eos is given (on a stage's bench, in place of the "
-                                "stage's or the preset's own prompts and EOS setting)"}),
+                        "help": "a different short question per request, in the model's chat template (bench-serve: "
+                                "with --endpoint chat; to /v1/completions they go as plain text); they stop at EOS "
+                                "unless --no-stop-on-eos is given (on a stage's bench, in place of the stage's or "
+                                "the preset's own prompts and EOS setting)"}),
     ("--num-requests", {"type": int, "default": 32}),
     ("--max-new-tokens", {"type": int, "default": 16}),
     ("--no-stop-on-eos", {"action": "store_true", "help": "always generate max-new-tokens (HTTP: sends ignore_eos)"}),

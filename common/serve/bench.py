@@ -155,8 +155,11 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 def header(args: argparse.Namespace, target: Target) -> dict:
     rate = "burst (all at once)" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s, {args.arrivals}"
+    workload = describe_workload(args)
+    if args.chat_prompts and args.endpoint == "completions":  # the benches apply the template; a server here does not
+        workload += " (as plain text: /v1/completions applies no chat template, --endpoint chat the server's own)"
     return {"Model": args.model, "Server": args.base_url, "Endpoint": target.path,
-            "Mode": "HTTP streaming (bench-serve)", "Workload": describe_workload(args), "Schedule": rate,
+            "Mode": "HTTP streaming (bench-serve)", "Workload": workload, "Schedule": rate,
             "Max concurrency": args.max_concurrency, "Timestamps": "client side, per SSE chunk with text",
             "Repeats": f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"}
 
