@@ -413,6 +413,9 @@ def test_a_typed_kind_of_prompt_replaces_the_stages_own():
     s09 = importlib.import_module("stages.s09_batched_worker_lookups")  # its BENCH: prefix cache off
     assert parse_bench_args(s09, []).no_prefix_cache
     assert not parse_bench_args(s09, ["--prefix-cache-max-entries", "64"]).no_prefix_cache  # typed: on, that size
+    sized = parse_bench_args(s13, ["--kv-cache-max-concurrency", "8"])  # in place of its BENCH's num_kv_blocks
+    assert (sized.kv_cache_max_concurrency, sized.num_kv_blocks) == (8, None)
+    assert parse_bench_args(s13, []).num_kv_blocks == 280
     with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):
         parse_bench_args(s09, ["--prefix-cache-max-entries", "64", "--no-prefix-cache"])
     with pytest.raises(ValueError, match="^chat_prompts: cannot go with prompt_len_range"):

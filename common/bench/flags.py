@@ -242,8 +242,10 @@ def as_defaults(bench: dict, parser: argparse.ArgumentParser | None, where: str)
 
 def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = None) -> argparse.Namespace:
     """The flags of a stage's bench: its BENCH (or `--preset`'s workload instead) as defaults,
-    then what was typed, a kind of prompt in place of the defaults' own (`prompt_kind_typed`).
-    The bench and its worker processes both parse here, so they build the same workload."""
+    then what was typed. Where the defaults hold a choice the typed flag makes another way, the
+    typed one replaces it: a kind of prompt (`prompt_kind_typed`), a prefix cache size over "off",
+    one of the two ways to size the KV pool. The bench and its worker processes both parse here,
+    so they build the same workload."""
     prog = prog or f"python -m {module.__name__}.bench"
     parser = build_parser(prog)
     parser.set_defaults(**bench_defaults(module, parser))
@@ -261,6 +263,9 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         if "no_prefix_cache" in typed_names and args.prefix_cache_max_entries:
             raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
         args.no_prefix_cache = args.no_prefix_cache and "no_prefix_cache" in typed_names
+    pool_sizes = {"num_kv_blocks", "kv_cache_max_concurrency"}  # two ways to size the KV pool: a typed one wins
+    if len(typed_names & pool_sizes) == 1:
+        setattr(args, (pool_sizes - typed_names).pop(), None)  # stage 13's BENCH has num_kv_blocks=280
     return args
 
 
