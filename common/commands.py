@@ -43,10 +43,11 @@ def add_sampling_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> N
 def sampling_knobs(args: argparse.Namespace) -> dict:
     """`add_sampling_args`' flags as SamplingParams' keywords (those not typed keep its defaults).
     A knob typed without --do-sample is a ValueError naming it: the output would be greedy and the
-    knob unused without a word (transformers' `generate` warns; `--temperature 0`, greedy's usual
-    spelling, is allowed)."""
+    knob unused without a word (transformers' `generate` warns). A knob's "off" value asks for
+    nothing and is allowed: `--temperature 0` (greedy's usual spelling), `--top-k 0`, `--top-p 1`."""
     typed = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "seed") if getattr(args, k) is not None}
-    unused = [k for k, v in typed.items() if not (k == "temperature" and v == 0)]
+    off = {"temperature": 0, "top_k": 0, "top_p": 1.0}  # the values that ask for no sampling
+    unused = [k for k, v in typed.items() if off.get(k, object()) != v]
     if unused and not args.do_sample:
         raise ValueError(f"{unused[0]}: only used when sampling; add --do-sample (without it the output is greedy)")
     return {"do_sample": args.do_sample, **typed}

@@ -410,18 +410,37 @@ def test_a_typed_kind_of_prompt_replaces_the_stages_own():
     for argv, other in ((["--chat-prompts"], "--chat-prompts"), (["--prompt-len-min", "4"], "--prompt-len-min")):
         with pytest.raises(ValueError, match=f"^--prompt: cannot go with {other}"):
             parse_bench_args(s12, ["--prompt", "Tell me a story", *argv])
-    s09 = importlib.import_module("stages.s09_batched_worker_lookups")  # its BENCH: prefix cache off
+    with pytest.raises(ValueError, match="^chat_prompts: cannot go with prompt_len_range"):
+        build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, prompt_len_range=(4, 8))
+    with pytest.raises(ValueError, match="^chat_prompts: cannot go with shared_prefix_len"):
+        build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, shared_prefix_len=4)
+
+
+def test_other_choices_typed_over_the_defaults_and_workload_flags_checked_by_name():
+    """A typed prefix cache size over a BENCH's "off" (on a stage whose cache has a size), a typed
+    pool size over the BENCH's other one; what build_workload would refuse, refused by flag
+    before the model loads."""
+    import importlib
+
+    from common.bench.flags import check_args, parse_bench_args
+
+    s09, s10, s13 = (importlib.import_module(f"stages.{name}") for name in
+                     ("s09_batched_worker_lookups", "s10_block_prefix_cache", "s13_preemption"))
+    # s09's BENCH: prefix cache off
     assert parse_bench_args(s09, []).no_prefix_cache
     assert not parse_bench_args(s09, ["--prefix-cache-max-entries", "64"]).no_prefix_cache  # typed: on, that size
     sized = parse_bench_args(s13, ["--kv-cache-max-concurrency", "8"])  # in place of its BENCH's num_kv_blocks
     assert (sized.kv_cache_max_concurrency, sized.num_kv_blocks) == (8, None)
     assert parse_bench_args(s13, []).num_kv_blocks == 280
+    s14 = importlib.import_module("stages.s14_tensor_parallel")  # its block cache has no size: the preset's "off" stays
+    assert parse_bench_args(s14, ["--preset", "post-052", "--prefix-cache-max-entries", "64"]).no_prefix_cache
+    for module, argv, message in ((s10, ["--prompt-len-min", "16", "--prompt-len-max", "64"],
+                                   "--prompt-len-min: a random prompt's length counts the shared prefix"),
+                                  (s09, ["--long-max-new-tokens", "9"], "--long-max-new-tokens: only used with --long-every")):
+        with pytest.raises(ValueError, match=f"^{message}"):  # by flag, before any weights load
+            check_args(parse_bench_args(module, argv))
     with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):
         parse_bench_args(s09, ["--prefix-cache-max-entries", "64", "--no-prefix-cache"])
-    with pytest.raises(ValueError, match="^chat_prompts: cannot go with prompt_len_range"):
-        build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, prompt_len_range=(4, 8))
-    with pytest.raises(ValueError, match="^chat_prompts: cannot go with shared_prefix_len"):
-        build_workload(None, num_requests=2, max_new_tokens=3, chat_prompts=True, shared_prefix_len=4)
 
 
 def test_unknown_preset_lists_the_known_ones(fake_stages, capsys):

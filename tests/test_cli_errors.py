@@ -62,6 +62,7 @@ def test_sampling_knobs_take_what_was_typed() -> None:
     add_sampling_args(parser)
     knobs = lambda *argv: sampling_knobs(parser.parse_args(list(argv)))  # noqa: E731
     assert knobs() == {"do_sample": False} and knobs("--temperature", "0") == {"do_sample": False, "temperature": 0.0}
+    assert knobs("--top-k", "0", "--top-p", "1") == {"do_sample": False, "top_k": 0, "top_p": 1.0}  # "off" asks nothing
     assert knobs("--do-sample", "--top-k", "5", "--seed", "3") == {"do_sample": True, "top_k": 5, "seed": 3}
     with pytest.raises(ValueError, match="^seed: only used when sampling"):
         knobs("--seed", "3")
@@ -136,6 +137,9 @@ def test_profile_decode_refuses_a_prompt_that_leaves_no_room_for_its_steps(monke
                            (["--no-enforce-eager"], "--no-enforce-eager: stages.s09_batched_worker_lookups takes no")):
         with pytest.raises(ValueError, match=f"^{message}"):  # the profile would be stage 09's own steps
             profile_decode.main(["--stage", "9", "--model", "tiny", "--device", "cpu", *flags])
+    for flags in (["--tensor-parallel-size", "1"], ["--enforce-eager"]):  # what stage 09 does anyway: on to the load
+        with pytest.raises(AssertionError, match="loaded"):
+            profile_decode.main(["--stage", "9", "--model", "tiny", "--device", "cpu", "--prompt-len", "16", *flags])
 
 
 @pytest.mark.parametrize("flag", ["--json", "--out"])

@@ -4,11 +4,14 @@ workload flag or engine knob means the same thing everywhere.
 
 - `WORKLOAD_FLAGS` and `workload_from_args`: the workload (`common.bench.workloads`) from the flags;
 - `add_engine_knob_args`, `engine_knobs` and `accepted`: the stages' engine knobs, each passed
-  only to a constructor that takes it;
+  only to a constructor that takes it, and `knobs_not_taken`: those a stage's bench notes and
+  `serve` names at start-up;
 - `add_streaming_args`, `add_manager_args` and `manager_knobs`: how requests are submitted, and
   the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
-  `--preset`) as defaults, and a kind of prompt typed in place of the stage's own;
+  `--preset`) as defaults, a choice typed in place of the defaults' own (a kind of prompt, a
+  prefix cache size, a KV pool size), and `check_args`; `offline_unused`: the streaming flags an
+  offline run leaves unused;
 - `output_file` and `output_dir`: the argparse types of every `--json` and `--out`.
 """
 from __future__ import annotations
@@ -170,8 +173,8 @@ STREAMING_FLAGS = ("tokenize_workers", "stream_interval", "max_queue_delay_ms", 
 
 
 def offline_unused(args: argparse.Namespace) -> list[str]:
-    """The streaming-only flags set away from their plain defaults (typed, or by the stage's
-    BENCH): an offline run leaves them unused, and its report says so."""
+    """The streaming-only flags set away from their plain defaults (typed, or by the stage's BENCH
+    or the preset): an offline run leaves them unused, and its report says so."""
     plain = build_parser("bench")
     return ["--" + k.replace("_", "-") for k in STREAMING_FLAGS if getattr(args, k) != plain.get_default(k)]
 
@@ -262,7 +265,9 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
     if "prefix_cache_max_entries" in typed_names:  # a size typed for the cache turns it on, over a BENCH's "off"
         if "no_prefix_cache" in typed_names and args.prefix_cache_max_entries:
             raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
-        args.no_prefix_cache = args.no_prefix_cache and "no_prefix_cache" in typed_names
+        if accepted(getattr(module, "InferenceEngine", None), {"prefix_cache_max_entries": 0}):  # stages 05-09;
+            # on another the note says the size is not applied, and the cache stays as the defaults set it
+            args.no_prefix_cache = args.no_prefix_cache and "no_prefix_cache" in typed_names
     pool_sizes = {"num_kv_blocks", "kv_cache_max_concurrency"}  # two ways to size the KV pool: a typed one wins
     if len(typed_names & pool_sizes) == 1:
         setattr(args, (pool_sizes - typed_names).pop(), None)  # stage 13's BENCH has num_kv_blocks=280
@@ -304,9 +309,20 @@ def prompt_kind_typed(args: argparse.Namespace, typed: set[str], text: bool = Fa
         args.chat_prompts, args.prompt_len_min, args.prompt_len_max = False, None, None
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_workload_flags(args: argparse.Namespace) -> None:
+    """What build_workload would refuse (naming its arguments) once a tokenizer is loaded, named
+    here by flag, before any weights load."""
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
+    if args.shared_prefix_len and args.prompt_len_min is not None and args.prompt_len_min <= args.shared_prefix_len:
+        raise ValueError(f"--prompt-len-min: a random prompt's length counts the shared prefix "
+                         f"(--shared-prefix-len {args.shared_prefix_len}), so it must exceed it, got {args.prompt_len_min}")
+    if args.long_max_new_tokens is not None and args.long_every is None:
+        raise ValueError("--long-max-new-tokens: only used with --long-every (which requests are the long ones)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    check_workload_flags(args)
     for name in ("num_requests", "max_new_tokens", "max_batch_size", "repeat_runs", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")

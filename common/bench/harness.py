@@ -61,9 +61,9 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     if mode == "offline" and any(r.submit_offset_s is not None for r in requests):
         notes.append("offline generate() takes every request at once: the late requests' planned arrivals "
                      "(--long-prompts) are ignored")
-    if mode == "offline" and offline_unused(args):
-        notes.append(f"offline generate() has no scheduler manager, submitter or stream: "
-                     f"{', '.join(offline_unused(args))} not applied")
+    unused = offline_unused(args) if mode == "offline" else []
+    if unused:
+        notes.append(f"offline generate() has no scheduler manager, submitter or stream: {', '.join(unused)} not applied")
     for note in notes:
         print(f"note: {note}", flush=True)
 

@@ -182,10 +182,11 @@ def measure(a: argparse.Namespace) -> dict:
 
     machine_threads = torch.get_num_threads()  # the floors' (a CPU tensor-parallel engine splits them among its ranks)
     package, engine_class, config = stage_class(a)
-    for flag, knob, value in (("--tensor-parallel-size", "tensor_parallel_size", a.tensor_parallel_size),
-                              ("--enforce-eager" if a.enforce_eager else "--no-enforce-eager", "enforce_eager",
-                               a.enforce_eager)):
-        if value is not None and not has_knob(engine_class, knob):  # the profile would be of what the stage does anyway
+    # What a stage without the knob cannot do (its only way is one rank, eager steps): the profile
+    # would be of its own steps, its JSON recording the flag as if applied. One rank or eager is what it does.
+    for flag, knob, asks in (("--tensor-parallel-size", "tensor_parallel_size", (a.tensor_parallel_size or 1) > 1),
+                             ("--no-enforce-eager", "enforce_eager", a.enforce_eager is False)):
+        if asks and not has_knob(engine_class, knob):
             raise ValueError(f"{flag}: {package} takes no {knob}")
     new_tokens = decode_tokens(a, engine_class, config)  # before the weights load
     loaded, engine = stage_engine(a, engine_class, {"max_batch_size": a.batch, "enforce_eager": a.enforce_eager,

