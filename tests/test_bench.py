@@ -436,7 +436,8 @@ def test_other_choices_typed_over_the_defaults_and_workload_flags_checked_by_nam
     assert parse_bench_args(s14, ["--preset", "post-052", "--prefix-cache-max-entries", "64"]).no_prefix_cache
     for module, argv, message in ((s10, ["--prompt-len-min", "16", "--prompt-len-max", "64"],
                                    "--prompt-len-min: a random prompt's length counts the shared prefix"),
-                                  (s09, ["--long-max-new-tokens", "9"], "--long-max-new-tokens: only used with --long-every")):
+                                  (s09, ["--long-max-new-tokens", "9"], "--long-max-new-tokens: only used with --long-every"),
+                                  (s09, ["--long-prompt-len", "500"], "--long-prompt-len: only used with --long-prompts")):
         with pytest.raises(ValueError, match=f"^{message}"):  # by flag, before any weights load
             check_args(parse_bench_args(module, argv))
     with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):

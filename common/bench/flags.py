@@ -116,6 +116,8 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--long-prompt-interval-ms", {"type": float, "default": 2000.0,
                                    "help": "the first late long prompt arrives after T ms, then one every T ms"}),
 ]
+# Each workload flag's plain default, by its dest: what "not given" looks like in a rebuilt command.
+WORKLOAD_DEFAULTS = {flag[2:].replace("-", "_"): kwargs.get("default") for flag, kwargs in WORKLOAD_FLAGS}
 
 
 def add_enforce_eager_arg(g: argparse._ActionsContainer) -> None:
@@ -319,6 +321,10 @@ def check_workload_flags(args: argparse.Namespace) -> None:
                          f"(--shared-prefix-len {args.shared_prefix_len}), so it must exceed it, got {args.prompt_len_min}")
     if args.long_max_new_tokens is not None and args.long_every is None:
         raise ValueError("--long-max-new-tokens: only used with --long-every (which requests are the long ones)")
+    if not args.long_prompts:  # their defaults are spelled in every rebuilt command: only another value is refused
+        for name in ("long_prompt_len", "long_prompt_interval_ms"):
+            if getattr(args, name) != WORKLOAD_DEFAULTS[name]:
+                raise ValueError(f"--{name.replace('_', '-')}: only used with --long-prompts (how many late prompts)")
 
 
 def check_args(args: argparse.Namespace) -> None:
