@@ -417,27 +417,30 @@ def test_a_typed_kind_of_prompt_replaces_the_stages_own():
 
 
 def test_other_choices_typed_over_the_defaults_and_workload_flags_checked_by_name():
-    """A typed prefix cache size over a BENCH's "off" (on a stage whose cache has a size), a typed
-    pool size over the BENCH's other one; what build_workload would refuse, refused by flag
-    before the model loads."""
+    """A typed prefix cache size over a BENCH's or preset's "off", on each stage whose cache has a
+    size (stages 05-09: with --compare, stage 10's block cache stays off and stage 09 gets the
+    size); a typed pool size over the BENCH's other one; what build_workload would refuse,
+    refused by flag before the model loads."""
     import importlib
 
-    from common.bench.flags import check_args, parse_bench_args
+    from common.bench.flags import accepted, check_args, engine_knobs, knobs_not_taken, parse_bench_args
 
     s09, s10, s13 = (importlib.import_module(f"stages.{name}") for name in
                      ("s09_batched_worker_lookups", "s10_block_prefix_cache", "s13_preemption"))
-    # s09's BENCH: prefix cache off
-    assert parse_bench_args(s09, []).no_prefix_cache
-    assert not parse_bench_args(s09, ["--prefix-cache-max-entries", "64"]).no_prefix_cache  # typed: on, that size
-    sized = parse_bench_args(s13, ["--kv-cache-max-concurrency", "8"])  # in place of its BENCH's num_kv_blocks
-    assert (sized.kv_cache_max_concurrency, sized.num_kv_blocks) == (8, None)
+    knobs = lambda module, args: accepted(module.InferenceEngine, engine_knobs(args))  # noqa: E731  what it is given
+    assert knobs(s09, parse_bench_args(s09, []))["prefix_cache_max_entries"] == 0  # its BENCH: cache off
+    sized = parse_bench_args(s10, ["--preset", "post-052", "--compare", "--prefix-cache-max-entries", "64"])
+    assert knobs(s09, sized)["prefix_cache_max_entries"] == 64  # the compared stage takes the size
+    assert knobs(s10, sized)["enable_prefix_caching"] is False and knobs_not_taken(s10, sized) == ["prefix_cache_max_entries"]
+    pool = parse_bench_args(s13, ["--kv-cache-max-concurrency", "8"])  # in place of its BENCH's num_kv_blocks
+    assert (pool.kv_cache_max_concurrency, pool.num_kv_blocks) == (8, None)
     assert parse_bench_args(s13, []).num_kv_blocks == 280
-    s14 = importlib.import_module("stages.s14_tensor_parallel")  # its block cache has no size: the preset's "off" stays
-    assert parse_bench_args(s14, ["--preset", "post-052", "--prefix-cache-max-entries", "64"]).no_prefix_cache
-    for module, argv, message in ((s10, ["--prompt-len-min", "16", "--prompt-len-max", "64"],
-                                   "--prompt-len-min: a random prompt's length counts the shared prefix"),
+    for module, argv, message in ((s10, ["--prompt-len-max", "64"],
+                                   "--prompt-len-min/--prompt-len-max: a random prompt's length counts the shared prefix"),
                                   (s09, ["--long-max-new-tokens", "9"], "--long-max-new-tokens: only used with --long-every"),
-                                  (s09, ["--long-prompt-len", "500"], "--long-prompt-len: only used with --long-prompts")):
+                                  (s09, ["--long-prompt-len", "500"], "--long-prompt-len: only used with --long-prompts"),
+                                  (s13, ["--kv-cache-max-concurrency", "8", "--num-kv-blocks", "64"],
+                                   "--num-kv-blocks: cannot go with --kv-cache-max-concurrency")):
         with pytest.raises(ValueError, match=f"^{message}"):  # by flag, before any weights load
             check_args(parse_bench_args(module, argv))
     with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):

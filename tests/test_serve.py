@@ -455,6 +455,9 @@ def test_serve_names_the_engine_knobs_its_stage_does_not_take(monkeypatch, capsy
             serve_engine.build_manager(p.parse_args([*flags, "--model", "tiny"]))
         err = capsys.readouterr().err
         assert (f"stagewise serve: note: {note}\n" == err) if note else err == ""
+    with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):
+        serve_engine.build_manager(p.parse_args(["--stage", "9", "--no-prefix-cache", "--prefix-cache-max-entries", "8",
+                                                 "--model", "tiny"]))
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -116,8 +116,6 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
     ("--long-prompt-interval-ms", {"type": float, "default": 2000.0,
                                    "help": "the first late long prompt arrives after T ms, then one every T ms"}),
 ]
-# Each workload flag's plain default, by its dest: what "not given" looks like in a rebuilt command.
-WORKLOAD_DEFAULTS = {flag[2:].replace("-", "_"): kwargs.get("default") for flag, kwargs in WORKLOAD_FLAGS}
 
 
 def add_enforce_eager_arg(g: argparse._ActionsContainer) -> None:
@@ -137,7 +135,8 @@ def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--prefix-cache-max-entries", type=int, default=None)
     g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefix_cache_max_entries=0 (stages 05-09), enable_prefix_caching=False (10+)")
+                   help="prefix_cache_max_entries=0 (stages 05-09; a stage's BENCH or a preset saying so gives "
+                        "way to a typed --prefix-cache-max-entries), enable_prefix_caching=False (10+)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
     add_enforce_eager_arg(g)
@@ -248,9 +247,9 @@ def as_defaults(bench: dict, parser: argparse.ArgumentParser | None, where: str)
 def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = None) -> argparse.Namespace:
     """The flags of a stage's bench: its BENCH (or `--preset`'s workload instead) as defaults,
     then what was typed. Where the defaults hold a choice the typed flag makes another way, the
-    typed one replaces it: a kind of prompt (`prompt_kind_typed`), a prefix cache size over "off",
-    one of the two ways to size the KV pool. The bench and its worker processes both parse here,
-    so they build the same workload."""
+    typed one replaces it: a kind of prompt (`prompt_kind_typed`), one of the two ways to size the
+    KV pool (and a prefix cache size over "off", in `engine_knobs`, on each stage whose cache has
+    one). The bench and its worker processes both parse here, so they build the same workload."""
     prog = prog or f"python -m {module.__name__}.bench"
     parser = build_parser(prog)
     parser.set_defaults(**bench_defaults(module, parser))
@@ -264,12 +263,8 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         action.default = argparse.SUPPRESS
     typed_names = set(vars(typed.parse_args(argv)))
     prompt_kind_typed(args, typed_names, text="prompt" in typed_names and args.prompt != parser.get_default("prompt"))
-    if "prefix_cache_max_entries" in typed_names:  # a size typed for the cache turns it on, over a BENCH's "off"
-        if "no_prefix_cache" in typed_names and args.prefix_cache_max_entries:
-            raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
-        if accepted(getattr(module, "InferenceEngine", None), {"prefix_cache_max_entries": 0}):  # stages 05-09;
-            # on another the note says the size is not applied, and the cache stays as the defaults set it
-            args.no_prefix_cache = args.no_prefix_cache and "no_prefix_cache" in typed_names
+    if {"prefix_cache_max_entries", "no_prefix_cache"} <= typed_names and args.prefix_cache_max_entries:
+        raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
     pool_sizes = {"num_kv_blocks", "kv_cache_max_concurrency"}  # two ways to size the KV pool: a typed one wins
     if len(typed_names & pool_sizes) == 1:
         setattr(args, (pool_sizes - typed_names).pop(), None)  # stage 13's BENCH has num_kv_blocks=280
@@ -317,18 +312,23 @@ def check_workload_flags(args: argparse.Namespace) -> None:
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
     if args.shared_prefix_len and args.prompt_len_min is not None and args.prompt_len_min <= args.shared_prefix_len:
-        raise ValueError(f"--prompt-len-min: a random prompt's length counts the shared prefix "
-                         f"(--shared-prefix-len {args.shared_prefix_len}), so it must exceed it, got {args.prompt_len_min}")
+        raise ValueError(f"--prompt-len-min/--prompt-len-max: a random prompt's length counts the shared prefix "
+                         f"(--shared-prefix-len {args.shared_prefix_len}), so it must exceed it, "
+                         f"got {args.prompt_len_min}")
     if args.long_max_new_tokens is not None and args.long_every is None:
         raise ValueError("--long-max-new-tokens: only used with --long-every (which requests are the long ones)")
     if not args.long_prompts:  # their defaults are spelled in every rebuilt command: only another value is refused
+        plain = build_parser("bench")
         for name in ("long_prompt_len", "long_prompt_interval_ms"):
-            if getattr(args, name) != WORKLOAD_DEFAULTS[name]:
+            if getattr(args, name) != plain.get_default(name):
                 raise ValueError(f"--{name.replace('_', '-')}: only used with --long-prompts (how many late prompts)")
 
 
 def check_args(args: argparse.Namespace) -> None:
     check_workload_flags(args)
+    if args.num_kv_blocks is not None and args.kv_cache_max_concurrency is not None:  # the engine would say so, loaded
+        raise ValueError("--num-kv-blocks: cannot go with --kv-cache-max-concurrency (two ways to size the pool); "
+                         "choose one")
     for name in ("num_requests", "max_new_tokens", "max_batch_size", "repeat_runs", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
@@ -402,7 +402,8 @@ def knobs_not_taken(module: ModuleType, args: argparse.Namespace) -> list[str]:
 def engine_knobs(args: argparse.Namespace) -> dict:
     knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
     knobs["enforce_eager"] = getattr(args, "enforce_eager", None)  # offered only when asked for, either way
-    if args.no_prefix_cache:
-        knobs["prefix_cache_max_entries"] = 0
+    if args.no_prefix_cache:  # a size given too (over a BENCH's or preset's "off") wins where the cache has one
+        if knobs["prefix_cache_max_entries"] is None:
+            knobs["prefix_cache_max_entries"] = 0
         knobs["enable_prefix_caching"] = False
     return knobs

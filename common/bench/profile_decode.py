@@ -184,7 +184,7 @@ def measure(a: argparse.Namespace) -> dict:
     package, engine_class, config = stage_class(a)
     # What a stage without the knob cannot do (its only way is one rank, eager steps): the profile
     # would be of its own steps, its JSON recording the flag as if applied. One rank or eager is what it does.
-    for flag, knob, asks in (("--tensor-parallel-size", "tensor_parallel_size", (a.tensor_parallel_size or 1) > 1),
+    for flag, knob, asks in (("--tensor-parallel-size", "tensor_parallel_size", a.tensor_parallel_size not in (None, 1)),
                              ("--no-enforce-eager", "enforce_eager", a.enforce_eager is False)):
         if asks and not has_knob(engine_class, knob):
             raise ValueError(f"{flag}: {package} takes no {knob}")

@@ -49,6 +49,8 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
         module = importlib.import_module(registry.streaming_stage(package))
     except ValueError as exc:  # a stage without a manager: the server exits with why (engine_process.py too)
         raise SystemExit(f"serve: {exc}") from None
+    if args.no_prefix_cache and args.prefix_cache_max_entries:  # the bench refuses the pair as typed, too
+        raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
     ignored = knobs_not_taken(module, args)  # said at start-up, as the bench says it: a server runs so all its life
     if ignored:  # (a refusal would stop serve-overhead and serve-compare, whose flags suit every stage, on 04-06)
         print(f"stagewise serve: note: {registry.short_name(package)} takes no {', '.join(ignored)}: not applied",
