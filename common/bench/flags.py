@@ -263,12 +263,19 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         action.default = argparse.SUPPRESS
     typed_names = set(vars(typed.parse_args(argv)))
     prompt_kind_typed(args, typed_names, text="prompt" in typed_names and args.prompt != parser.get_default("prompt"))
-    if {"prefix_cache_max_entries", "no_prefix_cache"} <= typed_names and args.prefix_cache_max_entries:
-        raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
+    check_prefix_cache_flags("no_prefix_cache" in typed_names,  # a BENCH's or preset's "off" gives way (engine_knobs)
+                             args.prefix_cache_max_entries if "prefix_cache_max_entries" in typed_names else None)
     pool_sizes = {"num_kv_blocks", "kv_cache_max_concurrency"}  # two ways to size the KV pool: a typed one wins
     if len(typed_names & pool_sizes) == 1:
         setattr(args, (pool_sizes - typed_names).pop(), None)  # stage 13's BENCH has num_kv_blocks=280
     return args
+
+
+def check_prefix_cache_flags(no_prefix_cache: bool, max_entries: int | None) -> None:
+    """--no-prefix-cache and a cache size, both asked for: one would be dropped unseen (a stage
+    bench checks what was typed, `stagewise serve`, which has no BENCH, what it was given)."""
+    if no_prefix_cache and max_entries:
+        raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
 
 
 def check_prompt_kind(chat: bool, lengths: bool, shared_prefix: bool, text: bool = False) -> None:
