@@ -406,7 +406,9 @@ def test_a_typed_kind_of_prompt_replaces_the_stages_own():
     text = parse_bench_args(s12, ["--prompt", "Tell me a story"])  # a text in place of the random prompts
     assert text.prompt_len_min is None and describe_workload(text).startswith("prompt 'Tell me a story'")
     assert not parse_bench_args(s13, ["--prompt", "Tell me a story"]).chat_prompts
-    assert parse_bench_args(s13, ["--prompt", "Hello"]).chat_prompts  # the default, as rebuilt commands spell it
+    hello = parse_bench_args(s12, ["--prompt", "Hello"])  # the default's text, typed, counts too
+    assert hello.prompt_len_min is None and describe_workload(hello).startswith("prompt 'Hello'")
+    assert not parse_bench_args(s13, ["--prompt", "Hello"]).chat_prompts
     for argv, other in ((["--chat-prompts"], "--chat-prompts"), (["--prompt-len-min", "4"], "--prompt-len-min")):
         with pytest.raises(ValueError, match=f"^--prompt: cannot go with {other}"):
             parse_bench_args(s12, ["--prompt", "Tell me a story", *argv])

@@ -29,6 +29,36 @@ def test_every_committed_result_has_a_command_that_writes_it_again() -> None:
             assert argv[2:4] == ["common.cli", "ladder"] and argv[argv.index("--out") + 1] == "docs/results/cpu"
 
 
+def test_every_committed_stage_bench_command_gives_back_its_config() -> None:
+    """The command a page prints under a stage bench's table is rebuilt from the result's config;
+    parsed as a reader's typed flags (over the stage's BENCH, where a typed kind of prompt or pool
+    size replaces the stage's own), it must give back that very config, in every folder: a flag
+    rule that drops or reinterprets a spelled flag would make the page's command measure
+    something else."""
+    import importlib
+    import shlex
+
+    from common.bench.flags import check_args, parse_bench_args
+    from stagewise_commands import placed_command
+
+    checked = 0
+    for path in sorted(rerun.RESULTS.rglob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not (isinstance(data.get("command"), str) or data.get("config")):
+            continue
+        words = shlex.split(placed_command(data, path.relative_to(ROOT).as_posix()))
+        if words[:2] != ["python", "-m"] or not words[2].startswith("stages."):
+            continue
+        args = parse_bench_args(importlib.import_module(words[2].removesuffix(".bench")), words[3:])
+        check_args(args)
+        differ = {key: (want, getattr(args, key)) for key, want in (data.get("config") or {}).items()
+                  if key != "json" and hasattr(args, key)
+                  and want != (list(getattr(args, key)) if isinstance(want, list) else getattr(args, key))}
+        assert not differ, (path.relative_to(ROOT).as_posix(), differ)
+        checked += 1
+    assert checked > 50  # the stage benches of cpu/, cuda/, machines/ and questions/
+
+
 def test_a_scratch_json_path_is_sent_back_to_the_results(tmp_path, monkeypatch) -> None:
     """serve-overhead run with --json /tmp/x.json and copied in: the rerun writes it in place."""
     results = tmp_path / "docs" / "results"

@@ -94,7 +94,7 @@ PRESETS: dict[str, dict] = {
 # The workload flags (`workload_from_args` reads them): the benches, the ladder's workers and
 # `stagewise bench-serve`, which replays the same workloads over HTTP, all take exactly these.
 WORKLOAD_FLAGS: list[tuple[str, dict]] = [
-    ("--prompt", {"default": "Hello"}),
+    ("--prompt", {"default": "Hello", "help": "the text of every prompt; typed, it replaces a stage's chat or random ones"}),
     ("--unique-prompts", {"action": "store_true", "help": "append ' #i' to each prompt text"}),
     ("--prompt-len-min", {"type": int, "default": None, "help": "random prompt token ids, min length"}),
     ("--prompt-len-max", {"type": int, "default": None, "help": "random prompt token ids, max length"}),
@@ -262,7 +262,7 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
     for action in typed._actions:
         action.default = argparse.SUPPRESS
     typed_names = set(vars(typed.parse_args(argv)))
-    prompt_kind_typed(args, typed_names, text="prompt" in typed_names and args.prompt != parser.get_default("prompt"))
+    prompt_kind_typed(args, typed_names, text="prompt" in typed_names)
     check_prefix_cache_flags("no_prefix_cache" in typed_names,  # a BENCH's or preset's "off" gives way (engine_knobs)
                              args.prefix_cache_max_entries if "prefix_cache_max_entries" in typed_names else None)
     pool_sizes = {"num_kv_blocks", "kv_cache_max_concurrency"}  # two ways to size the KV pool: a typed one wins
@@ -299,7 +299,7 @@ def prompt_kind_typed(args: argparse.Namespace, typed: set[str], text: bool = Fa
     runs chat questions that stop at EOS (unless `--no-stop-on-eos` is typed too), as stage 13's
     workload does, and on stage 10 without its shared prefix; `--prompt-len-min/max` on stage 13
     runs random prompts (that stop at EOS, as the stage's own did: only chat questions bring an
-    EOS setting of their own); a `--prompt` other than the defaults' (`text`) runs that text.
+    EOS setting of their own); a typed `--prompt` (`text`), even the default's "Hello", runs that text.
     Two kinds typed together are an error naming them."""
     chat, lengths = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"})
     check_prompt_kind(chat, lengths, "shared_prefix_len" in typed, text)

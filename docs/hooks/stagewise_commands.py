@@ -50,8 +50,13 @@ def command_from(data: dict) -> str:
         return shlex.join(["python", "-m", module, *map(str, cfg["argv"])])
     parts = ["python", "-m", module]
     offline = data.get("mode") == "offline"
+    # A text prompt is a kind of prompt of its own: typed beside chat questions or random token
+    # prompts, `--prompt` replaces them (flags.prompt_kind_typed), so it is spelled only where it ran.
+    text_prompt = not cfg.get("chat_prompts") and cfg.get("prompt_len_min") is None
     for key, val in cfg.items():
         if key in CONFIG_SKIP or val is None or (offline and key in STREAMING_ONLY):
+            continue
+        if key == "prompt" and not text_prompt:
             continue
         flag = "--" + key.replace("_", "-")
         if key == "enforce_eager":  # three-way: unset (None, skipped above), --enforce-eager, --no-enforce-eager
