@@ -57,6 +57,9 @@ def test_health_and_models(live) -> None:
     health = httpx.get(live.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["model"] == "tiny"
     assert [m.id for m in live.client.models.list().data] == ["tiny"]
+    assert live.client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError):
+        live.client.models.retrieve("gpt-4o")
 
 
 def test_completion_greedy_equals_in_process_manager(live, loaded) -> None:
@@ -77,6 +80,13 @@ def test_completion_stream_matches_whole_and_ends_with_usage(live) -> None:
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    for path, ask in (("/v1/completions", {"prompt": "Hello"}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = {"model": "tiny", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, **ask}
+        events = [json.loads(line[6:]) for line in httpx.post(live.url + path, json=body, timeout=30).text.splitlines()
+                  if line.startswith("data: {")]
+        assert all("usage" in e and e["usage"] is None for e in events[:-1]), path  # as OpenAI's: null, not absent
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
 
 
 def test_chat_whole_and_streamed(live, loaded) -> None:
@@ -92,6 +102,11 @@ def test_chat_whole_and_streamed(live, loaded) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # A null field is one not given (clients such as LangChain send them): only two given values clash.
+    body = {"messages": messages, "max_tokens": None, "max_completion_tokens": 3, "temperature": 0}
+    assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] <= 3
+    clash = httpx.post(live.url + "/v1/chat/completions", json={**body, "max_tokens": 3}, timeout=30)
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "max_completion_tokens"
 
 
 def test_32_concurrent_streaming_clients(live) -> None:
@@ -157,6 +172,40 @@ def test_stop_string_ends_the_request_at_the_match(live, stream: bool) -> None:
     assert _wait(lambda: live.blocks_in_use() == 0)
 
 
+def test_a_stop_inside_a_chunk_of_several_tokens_counts_the_tokens_up_to_it(live, loaded) -> None:
+    """With --stream-interval 4 a stream's chunks carry four tokens each; a stop string completed
+    by a chunk's second token ends the answer there, and `usage` counts the tokens up to it, as
+    at one token a chunk (it counted the whole chunk: the count depended on the interval)."""
+    from common.requests import SamplingParams
+    from common.tokenizer import IncrementalDetokenizer
+
+    stage = registry.load_stage(9)
+    engine = stage.InferenceEngine(loaded, max_batch_size=4, prefix_cache_max_entries=0)
+    chunked = ServerThread(ServeState(stage.SchedulerManager(engine, max_batch_size=4, stream_interval=4), "tiny", "s09"))
+    try:
+        ids = chunked.state.manager.add_request("Hello", params=SamplingParams(max_new_tokens=24, stop_on_eos=False)
+                                                ).result(timeout=60).token_ids
+        detok, texts = IncrementalDetokenizer(loaded.tokenizer), [""]  # texts[i]: the text after i tokens
+        for token_id in ids:
+            texts.append(texts[-1] + detok.add(token_id))
+        ask = dict(model="tiny", prompt="Hello", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        checked = 0
+        for upto in (2, 6):  # the second token of the first chunk, and of the second
+            before, text = texts[upto - 1], texts[upto]
+            stop = next((text[-k:] for k in (1, 2, 3, 4) if len(text) > len(before) and text[-k:] not in before), None)
+            if stop is None:
+                continue  # this token adds no text a new stop string could end in
+            assert live.client.completions.create(stop=[stop], **ask).usage.completion_tokens == upto  # a token a chunk
+            for stream in (False, True):
+                got = chunked.client.completions.create(stop=[stop], stream=stream, **ask, **(
+                    {"stream_options": {"include_usage": True}} if stream else {}))
+                assert (list(got)[-1] if stream else got).usage.completion_tokens == upto, (upto, stream)
+                checked += 1
+        assert checked
+    finally:
+        chunked.stop()
+
+
 def test_stop_matcher_holds_back_only_a_possible_start() -> None:
     m = StopMatcher(["END", "xy"])
     assert m.feed("abc") == ("abc", False)
@@ -179,6 +228,11 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt-4o", "prompt": "Hi"}, 404, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 0}, 400, "n"),
+    # a field named by a lone surrogate (valid JSON, not UTF-8): echoed back as its escape
+    ("/v1/completions", b'{"model": "tiny", "prompt": "Hi", "\\ud800": 1}', 400, "\\ud800"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', 400,
+     "messages[0].\\udfff"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -225,11 +279,13 @@ def test_bad_input_answered_in_openai_shape(live, path, body, status, param) -> 
 
 def test_wrong_method_and_unknown_path_in_openai_shape(live) -> None:
     """The generation routes answer their own 405; every other path is still FastAPI's 404."""
-    for method, path, status in [("GET", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405),
-                                 ("POST", "/v1/embeddings", 404), ("GET", "/nothing", 404)]:
+    for method, path, status, allow in [("GET", "/v1/completions", 405, "POST"), ("GET", "/v1/chat/completions", 405, "POST"),
+                                        ("POST", "/v1/models", 405, "GET"),
+                                        ("POST", "/v1/embeddings", 404, None), ("GET", "/nothing", 404, None)]:
         resp = httpx.request(method, live.url + path, timeout=10)
         assert resp.status_code == status, (method, path)
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert resp.headers.get("allow") == allow, (method, path)  # a 405 says which method would do
 
 
 def test_an_unexpected_error_is_a_500_in_openai_shape(live, monkeypatch) -> None:
@@ -260,7 +316,7 @@ def test_a_client_gone_before_its_body_arrived_is_no_error(live, caplog) -> None
 def test_openai_client_raises_on_refusals(live) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         live.client.completions.create(model="tiny", prompt="Hi", n=3)
-    assert err.value.status_code == 400 and err.value.param == "n" and "n > 1" in err.value.message
+    assert err.value.status_code == 400 and err.value.param == "n" and "only n = 1" in err.value.message
     with pytest.raises(openai.NotFoundError):
         live.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     assert live.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices  # and it goes on

@@ -39,6 +39,9 @@ def test_tokenize_messages_through_the_chat_template(live) -> None:
     assert got["count"] == usage.prompt_tokens
     without = post(live, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert without["count"] < got["count"]  # the assistant's header is what the generation prompt adds
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]  # text parts: one a line, as in vLLM
+    assert (post(live, "/tokenize", {"messages": [{"role": "user", "content": parts}]}).json()["tokens"]
+            == post(live, "/tokenize", {"messages": [{"role": "user", "content": "Hi\nthere"}]}).json()["tokens"])
 
 
 @pytest.mark.parametrize("path, body, status, param", [

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.serve.engine_process import call_beside, check_health, engine_stats
 from common.serve.transport import EventStream
-from common.serve.protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id, parse_chat, parse_completion, parse_json, sse, text_event, usage)
+from common.serve.protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id, parse_chat, parse_completion, parse_json, sse, text_event, tokens_through, usage)
 from common.requests import ContextLengthExceeded
 from common.serve.metrics import ServeMetrics
 from common.serve.tokenization import add_tokenize_routes
@@ -180,6 +180,7 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
         raise
     ready = _wake_on_put(handle, asyncio.get_running_loop())
     matcher, n_tokens, ended, stopped = StopMatcher(req.stop), 0, False, False
+    sent_ids, sent_chars = [], 0  # kept only with stop strings: to count the tokens up to a match
     try:
         while True:
             await ready.wait()
@@ -190,10 +191,16 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
             for chunk in chunks:
                 if stopped:
                     break  # tokens decoded before the cancel landed: not part of the answer
-                n_tokens += len(chunk.token_ids)
                 text, stopped = matcher.feed(chunk.text)
                 if stopped:
                     handle.cancel()
+                    n_tokens += 1 if len(chunk.token_ids) == 1 else tokens_through(
+                        state.tokenizer, sent_ids + chunk.token_ids, sent_chars + matcher.end) - len(sent_ids)
+                else:
+                    n_tokens += len(chunk.token_ids)
+                    if req.stop:
+                        sent_ids += chunk.token_ids
+                        sent_chars += len(chunk.text)
                 if text or not stopped:
                     yield Delta(text)
             if result is None:
@@ -242,9 +249,9 @@ async def _collect(request: Request, agen: AsyncIterator[Delta]) -> tuple[str, D
     return "".join(parts), task.result()
 
 
-def _json(data: dict, status: int = 200) -> Response:
+def _json(data: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(data, separators=(",", ":"), ensure_ascii=False), status_code=status,
-                    media_type="application/json")
+                    headers=headers, media_type="application/json")
 
 
 async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat: bool) -> Response:
@@ -263,7 +270,10 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
         return _json(body)
 
     created = int(time.time())
-    text_chunk = text_event(chat, rid, state.model_name, created)
+    text_chunk = text_event(chat, rid, state.model_name, created, req.include_usage)
+
+    def chunk(choices: list[dict]) -> dict:  # every chunk but the usage one
+        return envelope(chat, rid, state.model_name, choices, True, created, req.include_usage)
 
     async def events() -> AsyncGenerator[str, None]:
         is_first, d = True, first
@@ -271,12 +281,12 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
             while True:
                 # A finish rides on its own chunk, after the text, as OpenAI sends it.
                 if is_first:
-                    yield sse(envelope(chat, rid, state.model_name, [choice(chat, d.text, None, True)], True, created))
+                    yield sse(chunk([choice(chat, d.text, None, True)]))
                     is_first = False
                 elif d.text:
                     yield text_chunk(d.text)
                 if d.finish_reason is not None:  # the finish, the usage and [DONE]: one write
-                    last = [sse(envelope(chat, rid, state.model_name, [choice(chat, "", d.finish_reason)], True, created))]
+                    last = [sse(chunk([choice(chat, "", d.finish_reason)]))]
                     if req.include_usage:
                         tail = envelope(chat, rid, state.model_name, [], True, created)
                         tail["usage"] = usage(d.prompt_tokens, d.completion_tokens)
@@ -304,7 +314,7 @@ def build_app(state: ServeState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json(APIError(exc.status_code, str(exc.detail), type_=kind).body(), exc.status_code)
+        return _json(APIError(exc.status_code, str(exc.detail), type_=kind).body(), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(_: Request, exc: Exception) -> Response:
@@ -332,11 +342,17 @@ def build_app(state: ServeState) -> FastAPI:
 
     add_tokenize_routes(app, state, _json)
 
+    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "stagewise",
+            "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "stagewise",
-                "max_model_len": state.max_model_len}
         return _json({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model:path}")  # the OpenAI client's models.retrieve(name)
+    async def model_card(model: str) -> Response:
+        check_model(model, state.model_name)
+        return _json(card)
 
     return app
 
@@ -387,7 +403,7 @@ class GenerationRoutes:
         request = Request(scope, receive)
         try:
             if scope["method"] != "POST":
-                raise APIError(405, "Method Not Allowed", type_="invalid_request_error")
+                return await _json(APIError(405, "Method Not Allowed").body(), 405, {"Allow": "POST"})(scope, receive, send)
             state = self.state
             body = parse_json(await read_body(receive))
             req = (parse_chat(body, state.tokenizer, state.max_model_len) if chat

@@ -16,6 +16,7 @@ from json.encoder import encode_basestring  # json.dumps' own string encoder (C)
 from typing import Any, Callable
 
 from common.requests import SamplingParams, _is_int, _is_real
+from common.tokenizer import IncrementalDetokenizer
 
 # Fields each endpoint understands. Anything else is refused by name.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -32,7 +33,7 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, False, True), "logit_bias": (None, {}),
 }
-_WHY_OFF = {"n": "n > 1 is not supported: send n requests", "best_of": "best_of > 1 is not supported",
+_WHY_OFF = {"n": "only n = 1 is supported: send n requests for n answers", "best_of": "only best_of = 1 is supported",
             "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
             "logprobs": "logprobs are not supported", "top_logprobs": "logprobs are not supported",
             "presence_penalty": "presence_penalty is not supported", "logit_bias": "logit_bias is not supported",
@@ -51,7 +52,17 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _utf8(self.message), "type": self.type, "param": _utf8(self.param), "code": self.code}}
+
+
+def _utf8(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: a field name echoed back from the request's JSON may hold a
+    lone surrogate (`"\\ud800"` is valid JSON, not valid UTF-8); it is sent as its escape."""
+    try:
+        text is None or text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
 
 
 def bad_request(param: str, message: str) -> APIError:
@@ -243,7 +254,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise bad_request(f"{where}.content", "only text parts are supported")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # one part a line, as vLLM joins them
         if not isinstance(content, str):
             raise bad_request(f"{where}.content", f"must be a string, got {content!r:.80}")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
@@ -268,10 +279,11 @@ def parse_chat(body: dict, tokenizer: Any, default_max_tokens: int) -> ParsedReq
     if fmt is not None and fmt != {"type": "text"}:
         raise APIError(400, f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}",
                        param="response_format", code="unsupported_value")
-    if "max_tokens" in body and "max_completion_tokens" in body:
+    given = [name for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None]  # null: not given
+    if len(given) == 2:
         raise bad_request("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     prompt = chat_prompt(body, tokenizer)
-    which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    which = given[0] if given else "max_tokens"
     stream, include_usage = _stream_fields(body)
     return ParsedRequest(model_field(body), prompt, None, _sampling(body, which, default_max_tokens),
                          _stops(body), stream, include_usage, prompt_field="messages", max_tokens_field=which)
@@ -287,16 +299,19 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self._held = ""
+        self.end = 0  # after a match: how many characters of the text fed last reach the match's end
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string matched); the match itself is never sent."""
         if not self.stops:
             return text, False
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            start, end = min(hits)
+            self.end = end - len(self._held)
             self._held = ""
-            return buf[:min(hits)], True
+            return buf[:start], True
         keep = next((k for k in range(min(len(buf), max(map(len, self.stops)) - 1), 0, -1)
                      if any(s.startswith(buf[-k:]) for s in self.stops)), 0)
         self._held = buf[len(buf) - keep:] if keep else ""
@@ -314,6 +329,19 @@ _ID_BITS = random.Random()  # seeded from os.urandom once; uuid4 would read it a
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_BITS.getrandbits(96):024x}"
+
+
+def tokens_through(tokenizer: Any, ids: list[int], chars: int) -> int:
+    """How many of `ids` a stream needs to have sent `chars` characters: detokenized as the
+    worker does (IncrementalDetokenizer), so the count matches the text the client saw. A stop
+    string found inside a chunk of several tokens (`--stream-interval` above 1) ends the answer
+    at the token that completed it, not at the chunk's last one."""
+    detok, sent = IncrementalDetokenizer(tokenizer), 0
+    for n, token_id in enumerate(ids, 1):
+        sent += len(detok.add(token_id))
+        if sent >= chars:
+            return n
+    return len(ids)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -335,13 +363,20 @@ def choice(chat: bool, text: str, finish_reason: str | None, first: bool = False
     return out
 
 
-def envelope(chat: bool, rid: str, model: str, choices: list[dict], stream: bool, created: int | None = None) -> dict:
+def envelope(chat: bool, rid: str, model: str, choices: list[dict], stream: bool, created: int | None = None,
+             usage_null: bool = False) -> dict:
+    """A response or chunk around its choices. `usage_null`: a stream that asked for usage
+    (`stream_options.include_usage`) carries `"usage": null` in every chunk but the last, as OpenAI's do."""
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
     created = int(time.time()) if created is None else created
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_null:
+        body["usage"] = None
+    return body
 
 
-def text_event(chat: bool, rid: str, model: str, created: int | None = None) -> Callable[[str], str]:
+def text_event(chat: bool, rid: str, model: str, created: int | None = None,
+               usage_null: bool = False) -> Callable[[str], str]:
     """A stream's text chunk as an SSE event, made from the text alone (chat: not the first chunk,
     which also carries the role).
 
@@ -351,7 +386,7 @@ def text_event(chat: bool, rid: str, model: str, created: int | None = None) -> 
     bytes are those of `sse(envelope(chat, rid, model, [choice(chat, text, None)], True))`.
     """
     marker = "\x00"  # a character JSON always escapes, so its encoding occurs nowhere else in the event
-    event = sse(envelope(chat, rid, model, [choice(chat, marker, None)], True, created))
+    event = sse(envelope(chat, rid, model, [choice(chat, marker, None)], True, created, usage_null))
     head, tail = event.split(encode_basestring(marker))
     return lambda text: head + encode_basestring(text) + tail
 
