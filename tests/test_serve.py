@@ -390,6 +390,31 @@ def test_client_dropping_mid_stream_frees_its_blocks(loaded) -> None:
         server.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_its_first_token_cancels_its_request_then(loaded, stream: bool) -> None:
+    """Behind a running request (a batch of one), a client that gives up while its request waits
+    has it cancelled at once, as vLLM's with_cancellation does: it was prefilled and decoded
+    until its first token could not be sent (a whole request: until a poll half a second later)."""
+    server = LiveServer(loaded, slow_s=0.05, max_batch_size=1)
+    manager, cancelled = server.state.manager, []
+    real_cancel = manager.cancel
+    # each cancel, with the requests still in the scheduler beside it
+    manager.cancel = lambda rid: (cancelled.append(set(manager.scheduler.request_ids()) - {rid}), real_cancel(rid))[1]
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: {")  # it runs, and holds the batch
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/v1/completions", json={**body, "stream": stream}, timeout=0.5)
+            assert _wait(lambda: len(cancelled) == 1)
+            assert cancelled[0], "cancelled only once the running request had ended"
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the running one went on to its end
+        assert _wait(lambda: server.blocks_in_use() == 0 and not manager.scheduler.request_ids())
+    finally:
+        server.stop()
+
+
 def test_shutdown_ends_every_in_flight_request_and_releases_the_port(loaded) -> None:
     server = LiveServer(loaded, slow_s=0.02)
     started, outcomes = threading.Barrier(5), []

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.serve.engine_process import call_beside, check_health, engine_stats
-from common.serve.transport import EventStream
+from common.serve.transport import CancelOnDisconnect, EventStream
 from common.serve.protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id, parse_chat, parse_completion, parse_json, sse, text_event, tokens_through, usage)
 from common.requests import ContextLengthExceeded
 from common.serve.metrics import ServeMetrics
@@ -228,25 +228,14 @@ async def _first(agen: AsyncIterator[Delta]) -> Delta:
     return await agen.__anext__()
 
 
-async def _collect(request: Request, agen: AsyncIterator[Delta]) -> tuple[str, Delta]:
-    """Drain a whole request; stop (and cancel it) if the client goes away meanwhile."""
+async def _collect(agen: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    """Drain a whole request (a client that leaves meanwhile cancels it: GenerationRoutes)."""
     parts: list[str] = []
-
-    async def drain() -> Delta:
-        async for d in agen:
-            parts.append(d.text)
-            if d.finish_reason is not None:
-                return d
-        raise APIError(500, "stream ended without a finish reason", type_="internal_error")
-
-    task = asyncio.ensure_future(drain())
-    while not task.done():
-        await asyncio.wait([task], timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()  # generate()'s finally cancels the request: its blocks go back to the pool
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "client disconnected", type_="client_closed_request")
-    return "".join(parts), task.result()
+    async for d in agen:
+        parts.append(d.text)
+        if d.finish_reason is not None:
+            return "".join(parts), d
+    raise APIError(500, "stream ended without a finish reason", type_="internal_error")
 
 
 def _json(data: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -254,7 +243,7 @@ def _json(data: dict, status: int = 200, headers: dict[str, str] | None = None) 
                     headers=headers, media_type="application/json")
 
 
-async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat: bool) -> Response:
+async def _respond(state: ServeState, req: ParsedRequest, chat: bool) -> Response:
     check_model(req.model, state.model_name)
     rid = new_id("chatcmpl" if chat else "cmpl")
     agen = generate(state, req)
@@ -264,7 +253,7 @@ async def _respond(state: ServeState, request: Request, req: ParsedRequest, chat
             yield first
             async for d in agen:
                 yield d
-        text, last = await _collect(request, again()) if first.finish_reason is None else (first.text, first)
+        text, last = await _collect(again()) if first.finish_reason is None else (first.text, first)
         body = envelope(chat, rid, state.model_name, [choice(chat, text, last.finish_reason, stream=False)], False)
         body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
         return _json(body)
@@ -400,7 +389,7 @@ class GenerationRoutes:
             return await _json(UNAUTHORIZED.body(), UNAUTHORIZED.status)(scope, receive, send)
         if chat is None:
             return await self.app(scope, receive, send)
-        request = Request(scope, receive)
+        response = None
         try:
             if scope["method"] != "POST":
                 return await _json(APIError(405, "Method Not Allowed").body(), 405, {"Allow": "POST"})(scope, receive, send)
@@ -408,7 +397,13 @@ class GenerationRoutes:
             body = parse_json(await read_body(receive))
             req = (parse_chat(body, state.tokenizer, state.max_model_len) if chat
                    else parse_completion(body, state.vocab_size))
-            response = await _respond(state, request, req, chat)
+            # A client that leaves before its answer starts (waiting in the queue, in its prefill, or
+            # for a whole response) cancels its request there, as vLLM's with_cancellation does:
+            # generate()'s finally frees its place. A stream's EventStream watches on from its first chunk.
+            async with CancelOnDisconnect(receive):
+                response = await _respond(state, req, chat)
+            if response is None:
+                return  # the client is gone: nobody to answer
         except APIError as exc:
             response = _json(exc.body(), exc.status)
         except ClientDisconnect:  # gone before its body arrived: nothing was submitted, nobody to answer

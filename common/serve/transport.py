@@ -82,6 +82,36 @@ def http_protocol() -> Any:
     return Protocol
 
 
+class CancelOnDisconnect:
+    """`async with CancelOnDisconnect(receive):` cancels the task running the block when the client
+    goes away (ASGI's `receive` says `http.disconnect`), and swallows that one cancellation: the
+    block's awaits end at once, and their finally clauses (a request's cancel, a stream's close)
+    run. A watcher task waits on `receive` meanwhile, so the request's own task pays nothing.
+    Only after a request's body is read: the watcher takes whatever `receive` gives."""
+
+    def __init__(self, receive: Any) -> None:
+        self.receive, self.gone = receive, False
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.task.cancel()  # raised where the block awaits now, never past it: __aexit__ does not await
+
+    async def __aenter__(self) -> "CancelOnDisconnect":
+        self.task = asyncio.current_task()
+        self.watcher = asyncio.ensure_future(self._watch())
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.watcher.cancel()
+        if exc_type is asyncio.CancelledError and self.gone:
+            if hasattr(self.task, "uncancel"):  # Python 3.11+: the cancel we asked for is handled
+                self.task.uncancel()
+            return True
+        return False  # any other exception, and a cancel from outside (server shutdown), go on
+
+
 class EventStream:
     """A stream of Server-Sent Events, written straight to ASGI's `send` in the request's own task.
 
@@ -100,28 +130,13 @@ class EventStream:
         self.events = events
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        task, gone = asyncio.current_task(), False
-
-        async def cancel_on_disconnect() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.ensure_future(cancel_on_disconnect())
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
-            async for text in self.events:
-                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not gone:
-                raise  # cancelled from outside (server shutdown): not ours to swallow
-            if hasattr(task, "uncancel"):  # Python 3.11+: the cancel we asked for is handled
-                task.uncancel()
+            async with CancelOnDisconnect(receive):
+                await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+                async for text in self.events:
+                    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watcher.cancel()
             # Cancelled in a send, events() still waits at a yield: close it now (its finally
             # cancels the request, freeing its blocks) rather than whenever it is collected.
             await self.events.aclose()
