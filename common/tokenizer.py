@@ -29,6 +29,12 @@ def rust_tokenizer(tokenizer: Any, decoding: bool = False) -> Any | None:
     return rust
 
 
+# Characters past which a text is long to tokenize (SmolLM2: 64K of them take about 0.1 s on a CPU
+# core): `encode` then lets other threads run meanwhile, and `stagewise serve` tokenizes it off its
+# event loop, so one huge prompt does not stall every stream.
+LONG_TEXT = 1 << 16
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of `text` with add_special_tokens=False (as the posts do).
 
@@ -46,6 +52,8 @@ def encode(tokenizer: Any, text: str) -> list[int]:
             raise ValueError(f"prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from None
     rust = rust_tokenizer(tokenizer)
     if rust is not None:
+        if len(text) > LONG_TEXT:  # the same ids; encode_batch lets go of the GIL while Rust works, encode holds it
+            return rust.encode_batch([text], add_special_tokens=False)[0].ids
         return rust.encode(text, add_special_tokens=False).ids
     return list(tokenizer.encode(text, add_special_tokens=False))
 

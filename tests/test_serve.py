@@ -206,6 +206,26 @@ def test_a_stop_inside_a_chunk_of_several_tokens_counts_the_tokens_up_to_it(live
         chunked.stop()
 
 
+def test_a_prompt_long_to_tokenize_is_added_off_the_event_loop(live, monkeypatch) -> None:
+    """add_request's caller tokenizes (--tokenize-workers 0): a prompt past LONG_TEXT characters
+    is handed to it in a thread, so one huge prompt does not stall every stream on the event loop
+    (a 4.8 MB one held /health for 6 s); a short one is added on the loop, as before. The long
+    one's answer is the same: here, that it does not fit tiny's context window."""
+    from common.tokenizer import LONG_TEXT
+
+    manager, on_loop = live.state.manager, []
+    real_add = manager.add_request
+    monkeypatch.setattr(manager, "add_request",
+                        lambda *a, **k: (on_loop.append(threading.current_thread() is live.thread), real_add(*a, **k))[1])
+    assert live.client.completions.create(model="tiny", prompt="Hello", max_tokens=2).choices
+    with pytest.raises(openai.BadRequestError) as err:
+        live.client.completions.create(model="tiny", prompt="word " * (LONG_TEXT // 4), max_tokens=2)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+    tokenized = httpx.post(live.url + "/tokenize", json={"prompt": "word " * (LONG_TEXT // 4)}, timeout=30).json()
+    assert tokenized["count"] == len(live.state.tokenizer.encode("word " * (LONG_TEXT // 4), add_special_tokens=False))
+    assert on_loop == [True, False]
+
+
 def test_stop_matcher_holds_back_only_a_possible_start() -> None:
     m = StopMatcher(["END", "xy"])
     assert m.feed("abc") == ("abc", False)

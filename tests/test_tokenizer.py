@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from common.tokenizer import IncrementalDetokenizer, chat_prompt, encode, rust_tokenizer
+from common.tokenizer import LONG_TEXT, IncrementalDetokenizer, chat_prompt, encode, rust_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -57,11 +57,15 @@ def test_encode_adds_no_special_tokens(tokenizer) -> None:
 SPECIAL_TEXTS = ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>b", " <|im_end|> "]
 
 
-@pytest.mark.parametrize("text", TEXTS + SPECIAL_TEXTS)
+LONG = "Long text, " + "with <|im_end|> and caf\u00e9 " * 3000  # past LONG_TEXT characters: encode_batch's path
+
+
+@pytest.mark.parametrize("text", TEXTS + SPECIAL_TEXTS + [LONG], ids=lambda t: t[:20])
 def test_encode_skips_hf_wrapper_with_the_same_ids(tokenizer, text: str) -> None:
     """encode() calls the Rust tokenizer directly: the ids must be HF encode's, special tokens too."""
     assert rust_tokenizer(tokenizer) is not None  # SmolLM2's is a fast tokenizer: the direct path runs
     assert encode(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
+    assert (len(text) > LONG_TEXT) == (text is LONG)
 
 
 def test_a_string_that_is_not_unicode_text_is_a_value_error(tokenizer) -> None:

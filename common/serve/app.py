@@ -34,6 +34,7 @@ from common.serve.engine_process import call_beside, check_health, engine_stats
 from common.serve.transport import CancelOnDisconnect, EventStream
 from common.serve.protocol import (APIError, ParsedRequest, StopMatcher, check_model, choice, envelope, new_id, parse_chat, parse_completion, parse_json, sse, text_event, tokens_through, usage)
 from common.requests import ContextLengthExceeded
+from common.tokenizer import LONG_TEXT
 from common.serve.metrics import ServeMetrics
 from common.serve.tokenization import add_tokenize_routes
 
@@ -86,11 +87,33 @@ class ServeState:
         for req, future in batch:
             if future.cancelled():  # its client left before it was submitted
                 continue
+            if req.prompt is not None and len(req.prompt) > LONG_TEXT:
+                self._submit_in_thread(req, future)
+                continue
             try:
-                future.set_result(self.manager.add_request(req.prompt, prompt_token_ids=req.prompt_token_ids,
-                                                           params=req.params))
+                future.set_result(self._add(req))
             except Exception as exc:
                 future.set_exception(exc)
+
+    def _add(self, req: ParsedRequest) -> Any:
+        return self.manager.add_request(req.prompt, prompt_token_ids=req.prompt_token_ids, params=req.params)
+
+    def _submit_in_thread(self, req: ParsedRequest, future: asyncio.Future) -> None:
+        """add_request in a thread, for a prompt long to tokenize (add_request's caller tokenizes,
+        unless --tokenize-workers): on the event loop, a prompt of megabytes would stall every
+        stream for seconds. The loop serves the others meanwhile, as vLLM's tokenizes off its loop."""
+        work = asyncio.get_running_loop().run_in_executor(None, self._add, req)
+
+        def hand_over(work: asyncio.Future) -> None:
+            if future.cancelled():  # its client left meanwhile: stop the request it made
+                if not work.cancelled() and work.exception() is None:
+                    work.result().cancel()
+            elif work.exception() is not None:
+                future.set_exception(work.exception())
+            else:
+                future.set_result(work.result())
+
+        work.add_done_callback(hand_over)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the in-flight ones (the manager cancels them). Idempotent."""

@@ -5,17 +5,19 @@ of the budget is left for `max_tokens`?) with the server's own tokenizer, not a 
 differ. So `/tokenize` encodes exactly as the engine does: a completion's `prompt` with
 `common.tokenizer.encode` (no special tokens added, as the posts do), a chat's `messages` through
 the same chat template as `/v1/chat/completions`. Its `count` is the `usage.prompt_tokens` that
-request would report. Both answer at once on the event loop: the engine is not involved.
+request would report. Both answer on the event loop (a body past `LONG_TEXT` characters is
+tokenized in a thread meanwhile): the engine is not involved.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from common.serve.protocol import bad_request, chat_prompt, check_fields, check_model, model_field, parse_json
-from common.tokenizer import encode
+from common.tokenizer import LONG_TEXT, encode
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "return_token_strs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
@@ -64,8 +66,11 @@ def add_tokenize_routes(app: FastAPI, state: Any, json_response: Any) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        body = parse_json(await request.body())
-        return json_response(tokenize(body, state.tokenizer, state.model_name, state.max_model_len))
+        raw = await request.body()
+        body, args = parse_json(raw), (state.tokenizer, state.model_name, state.max_model_len)
+        if len(raw) > LONG_TEXT:  # long to tokenize: in a thread, so the event loop serves the others meanwhile
+            return json_response(await asyncio.get_running_loop().run_in_executor(None, tokenize, body, *args))
+        return json_response(tokenize(body, *args))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
