@@ -56,6 +56,7 @@ def _in_process(loaded, prompts: list[str], max_new_tokens: int) -> list[str]:
 def test_health_and_models(live) -> None:
     health = httpx.get(live.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["model"] == "tiny"
+    assert health["kv_blocks"]["block_size"] * health["kv_blocks"]["total"] >= live.state.max_model_len
     assert [m.id for m in live.client.models.list().data] == ["tiny"]
     assert live.client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{model}
     with pytest.raises(openai.NotFoundError):
@@ -486,6 +487,17 @@ def test_sigterm_stops_the_serve_process(tmp_path: Path, where: list[str]) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_kv_pool_smaller_than_the_context_window_is_noted_at_start_up() -> None:
+    """vLLM refuses to start then; serve says what it means (a chat without max_tokens asks for
+    the whole window) and how to make room, from /health's kv_blocks."""
+    from common.serve.server import pool_note
+
+    note = pool_note({"free": 4, "total": 4, "block_size": 16}, 128)
+    assert note.startswith("stagewise serve: note: the KV pool holds 64 tokens, fewer than the context window (128)")
+    assert "--num-kv-blocks" in note
+    assert pool_note({"free": 3, "total": 8, "block_size": 16}, 128) is None and pool_note(None, 128) is None
 
 
 def _healthy(url: str) -> bool:

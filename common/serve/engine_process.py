@@ -252,12 +252,12 @@ def call_beside(manager: Any, fn: Callable[..., Any], *args: Any) -> "Future[Any
 
 
 def kv_blocks(manager: Any) -> dict | None:
-    """The engine's KV pool: free and total blocks (for `/health` and the tests; called
+    """The engine's KV pool: free and total blocks, and tokens a block (for `/health` and the tests; called
     where the manager lives, in this process or, through `call`, in the engine's)."""
     pool = getattr(manager.engine, "pool", None)
     if pool is None:
         return None
-    return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks}
+    return {"free": pool.allocator.num_free, "total": pool.allocator.num_blocks, "block_size": pool.block_size}
 
 
 def check_health(manager: Any) -> dict | None:

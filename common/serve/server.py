@@ -48,6 +48,17 @@ def start_engine(args: argparse.Namespace) -> tuple[Any, str]:
     return build_manager(args)
 
 
+def pool_note(kv: dict | None, max_model_len: int) -> str | None:
+    """What a KV pool smaller than the context window means for a client. vLLM refuses to start
+    then; a small pool is how one watches admission and preemption at work, so we say it instead."""
+    if kv is None or kv["total"] * kv["block_size"] >= max_model_len:
+        return None
+    return (f"stagewise serve: note: the KV pool holds {kv['total'] * kv['block_size']} tokens, fewer than the "
+            f"context window ({max_model_len}): a request that needs more (its prompt and max_tokens; a chat that "
+            f"gives no max_tokens asks for the whole window) ends with an error naming max_tokens; "
+            f"--num-kv-blocks or --kv-cache-max-concurrency make room")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stagewise serve", description="OpenAI-compatible HTTP server over one stage.")
     add_serve_args(p)
@@ -62,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     host, port = sock.getsockname()[:2]
+    note = pool_note(state.check_health().result(60), state.max_model_len)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     import torch
     sched = worker_priority(args.worker_priority, torch.device(manager.engine.device))
     print(f"stagewise serve: {stage} {state.model_name!r} on http://{host}:{port}, its worker in the {sched} "
