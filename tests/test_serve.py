@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -222,9 +223,45 @@ def test_a_prompt_long_to_tokenize_is_added_off_the_event_loop(live, monkeypatch
     with pytest.raises(openai.BadRequestError) as err:
         live.client.completions.create(model="tiny", prompt="word " * (LONG_TEXT // 4), max_tokens=2)
     assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
-    tokenized = httpx.post(live.url + "/tokenize", json={"prompt": "word " * (LONG_TEXT // 4)}, timeout=30).json()
-    assert tokenized["count"] == len(live.state.tokenizer.encode("word " * (LONG_TEXT // 4), add_special_tokens=False))
     assert on_loop == [True, False]
+    import common.serve.tokenization as tokenization
+
+    real_tokenize, tokenized_on_loop = tokenization.tokenize, []
+    monkeypatch.setattr(tokenization, "tokenize", lambda *a: (
+        tokenized_on_loop.append(threading.current_thread() is live.thread), real_tokenize(*a))[1])
+    for words in (2, LONG_TEXT // 4):  # /tokenize: the same, by the body's size
+        got = httpx.post(live.url + "/tokenize", json={"prompt": "word " * words}, timeout=30).json()
+        assert got["count"] == len(live.state.tokenizer.encode("word " * words, add_special_tokens=False))
+    assert tokenized_on_loop == [True, False]
+
+
+def test_a_client_that_leaves_while_its_long_prompt_is_added_cancels_it(loaded, monkeypatch) -> None:
+    """The thread that adds a long prompt finishes after its client left: the request it made is
+    cancelled at once (hand_over), and nothing is left in the pool or the scheduler. (A prompt
+    "long" past 10 characters here, so that it fits tiny's window and really runs.)"""
+    import common.serve.generation
+
+    monkeypatch.setattr(common.serve.generation, "LONG_TEXT", 10)
+    server = LiveServer(loaded, slow_s=0.02)
+    manager, cancelled, added = server.state.manager, [], threading.Event()
+    real_add, real_cancel = manager.add_request, manager.cancel
+
+    def slow_add(*args, **kwargs):
+        time.sleep(1.0)  # tokenizing a long prompt; the client gives up meanwhile
+        handle = real_add(*args, **kwargs)
+        added.set()
+        return handle
+
+    monkeypatch.setattr(manager, "add_request", slow_add)
+    monkeypatch.setattr(manager, "cancel", lambda rid: (cancelled.append(rid), real_cancel(rid))[1])
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", timeout=0.3,
+                       json={"model": "tiny", "prompt": "a prompt of some length", "max_tokens": 50, "ignore_eos": True})
+        assert added.wait(10) and _wait(lambda: len(cancelled) == 1)
+        assert _wait(lambda: server.blocks_in_use() == 0 and not manager.scheduler.request_ids())
+    finally:
+        server.stop()
 
 
 def test_stop_matcher_holds_back_only_a_possible_start() -> None:
@@ -574,18 +611,19 @@ def test_serve_names_the_engine_knobs_its_stage_does_not_take(monkeypatch, capsy
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_text_event_is_the_dict_path_byte_for_byte(chat: bool) -> None:
+@pytest.mark.parametrize("usage_null", [False, True])
+def test_text_event_is_the_dict_path_byte_for_byte(chat: bool, usage_null: bool) -> None:
     """A token's SSE event from the per-stream template equals json.dumps of the whole chunk."""
-    make = text_event(chat, "cmpl-1", "tiny", created=123)
+    make = text_event(chat, "cmpl-1", "tiny", 123, usage_null)
     for text in ["Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é 中文 🙂", "\x00\x1f", "</script>", "data: x\n\n"]:
-        assert make(text) == sse(envelope(chat, "cmpl-1", "tiny", [choice(chat, text, None)], True, created=123))
+        assert make(text) == sse(envelope(chat, "cmpl-1", "tiny", [choice(chat, text, None)], True, 123, usage_null))
 
 
 def test_event_stream_closes_its_events_when_the_client_leaves_during_a_send() -> None:
-    """A send that waits (a full socket buffer) when the client goes: EventStream ends, and its
-    events generator is closed before it returns, so the request is cancelled at once, not
-    whenever the generator happens to be collected."""
-    from common.serve.transport import EventStream
+    """A send that waits (a full socket buffer) when the client goes: EventStream, inside the
+    request's CancelOnDisconnect, ends, and its events generator is closed before it returns, so
+    the request is cancelled at once, not whenever the generator happens to be collected."""
+    from common.serve.transport import CancelOnDisconnect, EventStream
 
     closed: list[bool] = []
 
@@ -608,7 +646,8 @@ def test_event_stream_closes_its_events_when_the_client_leaves_during_a_send() -
                 gone.set()  # the client leaves while this write waits
                 await asyncio.Event().wait()
 
-        await EventStream(events())({"type": "http"}, receive, send)
+        async with CancelOnDisconnect(receive):
+            await EventStream(events())({"type": "http"}, receive, send)
         return bool(closed)
 
     assert asyncio.run(main())

@@ -2,7 +2,7 @@
 
 Why a module of its own: the server (common/serve/app.py) should read as "HTTP in, SchedulerManager
 out"; everything about what a field may hold, how a refusal is worded and what a chunk looks
-like lives here, testable without a socket. Anything the engine cannot honour (n > 1, logprobs,
+like lives here, testable without a socket. Anything the engine cannot honour (n other than 1, logprobs,
 tools, penalties, unknown fields) is refused with a 400 naming the field: a client that asked
 for it must not get an answer that silently ignored it.
 """
@@ -58,11 +58,13 @@ class APIError(Exception):
 def _utf8(text: str | None) -> str | None:
     """Text that encodes as UTF-8: a field name echoed back from the request's JSON may hold a
     lone surrogate (`"\\ud800"` is valid JSON, not valid UTF-8); it is sent as its escape."""
+    if text is None:
+        return None
     try:
-        text is None or text.encode()
-        return text
+        text.encode()
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 def bad_request(param: str, message: str) -> APIError:
@@ -331,12 +333,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_BITS.getrandbits(96):024x}"
 
 
-def tokens_through(tokenizer: Any, ids: list[int], chars: int) -> int:
-    """How many of `ids` a stream needs to have sent `chars` characters: detokenized as the
-    worker does (IncrementalDetokenizer), so the count matches the text the client saw. A stop
-    string found inside a chunk of several tokens (`--stream-interval` above 1) ends the answer
-    at the token that completed it, not at the chunk's last one."""
-    detok, sent = IncrementalDetokenizer(tokenizer), 0
+DETOKENIZE_CONTEXT = 8  # ids before a chunk that tokens_through decodes it after (vLLM's incremental detokenizer starts with 5)
+
+
+def tokens_through(tokenizer: Any, context: list[int], ids: list[int], chars: int) -> int:
+    """How many of a chunk's `ids` its text needs to reach `chars` characters, detokenized as the
+    worker does (IncrementalDetokenizer) after the last ids sent before it (`context`: a token's
+    text can depend on the one before it, and a character can span two). A stop string found
+    inside a chunk of several tokens (`--stream-interval` above 1) ends the answer at the token
+    that completed it, not at the chunk's last one. A few ids, not the whole answer: this runs on
+    the event loop."""
+    detok = IncrementalDetokenizer(tokenizer)
+    for token_id in context:
+        detok.add(token_id)
+    sent = 0
     for n, token_id in enumerate(ids, 1):
         sent += len(detok.add(token_id))
         if sent >= chars:

@@ -54,9 +54,9 @@ def pool_note(kv: dict | None, max_model_len: int) -> str | None:
     if kv is None or kv["total"] * kv["block_size"] >= max_model_len:
         return None
     return (f"stagewise serve: note: the KV pool holds {kv['total'] * kv['block_size']} tokens, fewer than the "
-            f"context window ({max_model_len}): a request that needs more (its prompt and max_tokens; a chat that "
-            f"gives no max_tokens asks for the whole window) ends with an error naming max_tokens; "
-            f"--num-kv-blocks or --kv-cache-max-concurrency make room")
+            f"context window ({max_model_len}): a request whose prompt and max_tokens need more (a chat that gives "
+            f"no max_tokens asks for the whole window) is refused, or ended when it outgrows the pool, with an error "
+            f"naming the field to lower; --num-kv-blocks or --kv-cache-max-concurrency make room")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     host, port = sock.getsockname()[:2]
-    note = pool_note(state.check_health().result(60), state.max_model_len)
+    try:
+        note = pool_note(state.check_health().result(60), state.max_model_len)
+    except Exception:  # a rank that died, or no answer: /health will say so; nothing to note here
+        note = None
     if note:
         print(note, file=sys.stderr, flush=True)
     import torch

@@ -5,7 +5,7 @@ of the budget is left for `max_tokens`?) with the server's own tokenizer, not a 
 differ. So `/tokenize` encodes exactly as the engine does: a completion's `prompt` with
 `common.tokenizer.encode` (no special tokens added, as the posts do), a chat's `messages` through
 the same chat template as `/v1/chat/completions`. Its `count` is the `usage.prompt_tokens` that
-request would report. Both answer on the event loop (a body past `LONG_TEXT` characters is
+request would report. Both answer on the event loop (a body of over `LONG_TEXT` bytes is
 tokenized in a thread meanwhile): the engine is not involved.
 """
 from __future__ import annotations

@@ -86,11 +86,13 @@ class CancelOnDisconnect:
     """`async with CancelOnDisconnect(receive):` cancels the task running the block when the client
     goes away (ASGI's `receive` says `http.disconnect`), and swallows that one cancellation: the
     block's awaits end at once, and their finally clauses (a request's cancel, a stream's close)
-    run. A watcher task waits on `receive` meanwhile, so the request's own task pays nothing.
-    Only after a request's body is read: the watcher takes whatever `receive` gives."""
+    run. A watcher task waits on `receive` meanwhile, one a request, so the request's own task
+    pays only its start. Only after a request's body is read: the watcher takes whatever `receive` gives."""
 
     def __init__(self, receive: Any) -> None:
         self.receive, self.gone = receive, False
+        self.task: asyncio.Task | None = None  # the task running the block, and the one watching for it
+        self.watcher: asyncio.Task | None = None
 
     async def _watch(self) -> None:
         while (await self.receive())["type"] != "http.disconnect":
@@ -120,8 +122,9 @@ class EventStream:
     In a burst the loop makes all 64 responses in one pass and streams them in the next, so the
     median request's first token waits for the whole burst's set-up. Its cancel scope, task group
     and header building also cost more than writing the first chunk. Here the head and the first
-    chunk are written in the pass that makes the response; a small watcher task cancels this one
-    when the client goes away (events()' finally then cancels the request, freeing its blocks).
+    chunk are written in the pass that makes the response. It runs inside the request's
+    `CancelOnDisconnect`, whose watcher cancels this task when the client goes away (events()'
+    finally then cancels the request, freeing its blocks).
     """
 
     HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -131,11 +134,10 @@ class EventStream:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            async with CancelOnDisconnect(receive):
-                await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
-                async for text in self.events:
-                    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+            async for text in self.events:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             # Cancelled in a send, events() still waits at a yield: close it now (its finally
             # cancels the request, freeing its blocks) rather than whenever it is collected.

@@ -76,7 +76,6 @@ class OnlineScheduler:
                     submitted: float | None = None) -> int:
         """Admit a prepared session: book its prompt's blocks and take its cached prefix; the
         prompt is prefilled by the coming steps, in chunks (its first token comes from the last)."""
-        eng = self.engine
         if request_id is not None and request_id in self._sessions:
             raise ValueError(f"request_id {request_id} is already in use")  # the old session would leak
         self._admit(session)  # raises OutOfKVBlocks, leaving nothing behind
