@@ -450,16 +450,17 @@ def test_client_dropping_mid_stream_frees_its_blocks(loaded) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_before_its_first_token_cancels_its_request_then(loaded, stream: bool) -> None:
-    """Behind a running request (a batch of one), a client that gives up while its request waits
-    has it cancelled at once, as vLLM's with_cancellation does: it was prefilled and decoded
-    until its first token could not be sent (a whole request: until a poll half a second later)."""
-    server = LiveServer(loaded, slow_s=0.05, max_batch_size=1)
+    """Behind a running request that holds the KV pool (sized for one context window), a client
+    that gives up while its request waits has it cancelled at once, as vLLM's with_cancellation
+    does: it was prefilled and decoded until its first token could not be sent (a whole request:
+    until a poll half a second later)."""
+    server = LiveServer(loaded, slow_s=0.02, max_batch_size=1)
     manager, cancelled = server.state.manager, []
     real_cancel = manager.cancel
     # each cancel, with the requests still in the scheduler beside it
     manager.cancel = lambda rid: (cancelled.append(set(manager.scheduler.request_ids()) - {rid}), real_cancel(rid))[1]
     try:
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}  # 2 s or more of steps
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as running:
             lines = running.iter_lines()
             assert next(lines).startswith("data: {")  # it runs, and holds the batch
