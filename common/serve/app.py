@@ -8,7 +8,8 @@ model, as it does in-process. The worker's put on a request's queue wakes the ev
 listener on the handle), which drains it without blocking: no thread per request, and a slow
 client never stalls the worker (its chunks wait in its queue). With `--engine-process` the
 manager runs in a process of its own, and the server holds an `EngineProcess` that hands out
-the same handles (common/serve/engine_process.py).
+the same handles (common/serve/engine_process.py). One request's way to the manager and back,
+`generate`, lives in common/serve/generation.py; here are the routes and the responses.
 A dropped client cancels its request (its KV blocks go back to the pool); SIGINT/SIGTERM end
 every in-flight request, answer 503 to new ones, and release the port.
 The stage comes from the registry (common/stages.py): this file imports no stage.
@@ -36,7 +37,6 @@ from common.serve.tokenization import add_tokenize_routes
 # OpenAI's answer to a missing or wrong key; /health and /metrics stay open, as in vLLM
 UNAUTHORIZED = APIError(401, "invalid API key: send the server's --api-key as `Authorization: Bearer <key>`",
                         code="invalid_api_key")
-
 
 
 async def _first(agen: AsyncIterator[Delta]) -> Delta:

@@ -22,6 +22,8 @@ from common.serve.protocol import DETOKENIZE_CONTEXT, APIError, ParsedRequest, S
 from common.tokenizer import LONG_TEXT
 
 SHUTTING_DOWN = "the server is shutting down"
+
+
 @dataclass
 class Delta:
     """Text to send, and at the end why the request stopped and its token counts."""
