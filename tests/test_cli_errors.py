@@ -78,6 +78,8 @@ def test_sampling_knobs_take_what_was_typed() -> None:
                                              "--chat-prompts: cannot go with --shared-prefix-len"),
                                             (["--prompt", "Hi there", "--prompt-len-min", "8"],
                                              "--prompt: cannot go with --prompt-len-min"),
+                                            (["--prompt", "Hello", "--chat-prompts"],  # the default's text, typed
+                                             "--prompt: cannot go with --chat-prompts"),
                                             (["--arrivals", "poisson"], "--arrivals poisson: spaces requests"),
                                             (["--long-max-new-tokens", "9"], "--long-max-new-tokens: only used")])
 def test_bench_serve_refuses_a_rate_or_concurrency_that_means_nothing(flags, message) -> None:

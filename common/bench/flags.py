@@ -258,10 +258,7 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         parser = build_parser(prog)
         parser.set_defaults(**as_defaults(PRESETS[args.preset], parser, f"preset {args.preset!r}"))
         args = parser.parse_args(argv)
-    typed = build_parser(prog)  # no BENCH, no preset: only what the command line set is in its namespace
-    for action in typed._actions:
-        action.default = argparse.SUPPRESS
-    typed_names = set(vars(typed.parse_args(argv)))
+    typed_names = typed_flags(build_parser(prog), argv)  # no BENCH, no preset
     prompt_kind_typed(args, typed_names, text="prompt" in typed_names)
     check_prefix_cache_flags("no_prefix_cache" in typed_names,  # a BENCH's or preset's "off" gives way (engine_knobs)
                              args.prefix_cache_max_entries if "prefix_cache_max_entries" in typed_names else None)
@@ -269,6 +266,14 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
     if len(typed_names & pool_sizes) == 1:
         setattr(args, (pool_sizes - typed_names).pop(), None)  # stage 13's BENCH has num_kv_blocks=280
     return args
+
+
+def typed_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The dests the command line itself set, not a default (nor a BENCH's or a preset's):
+    `parser`, a fresh one, parses `argv` again with every default suppressed."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def check_prefix_cache_flags(no_prefix_cache: bool, max_entries: int | None) -> None:

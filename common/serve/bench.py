@@ -29,7 +29,7 @@ from typing import Any
 
 from common.bench import flags as bench_flags
 from common.bench.results import write_json
-from common.bench.flags import check_prompt_kind, check_workload_flags, describe_workload, workload_from_args
+from common.bench.flags import check_prompt_kind, check_workload_flags, describe_workload, typed_flags, workload_from_args
 from common.bench.metrics import median_summary, percentiles, summarize
 from common.bench.report import format_report
 from common.requests import Completion, Request
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1 (leave it out: no limit), got {args.max_concurrency}")
     check_prompt_kind(args.chat_prompts, args.prompt_len_min is not None or args.prompt_len_max is not None,
-                      bool(args.shared_prefix_len), args.prompt != parser.get_default("prompt"))
+                      bool(args.shared_prefix_len), "prompt" in typed_flags(build_parser(), argv))
     check_workload_flags(args)
     args.pretok = args.pretok_base_token_ids = False  # what workload_from_args reads; ids travel as `prompt`
     target = Target(args.base_url, args.endpoint, args.api_key)
