@@ -259,7 +259,7 @@ def parse_bench_args(module: ModuleType, argv: list[str], prog: str | None = Non
         parser.set_defaults(**as_defaults(PRESETS[args.preset], parser, f"preset {args.preset!r}"))
         args = parser.parse_args(argv)
     typed_names = typed_flags(build_parser(prog), argv)  # no BENCH, no preset
-    prompt_kind_typed(args, typed_names, text="prompt" in typed_names)
+    prompt_kind_typed(args, typed_names)
     check_prefix_cache_flags("no_prefix_cache" in typed_names,  # a BENCH's or preset's "off" gives way (engine_knobs)
                              args.prefix_cache_max_entries if "prefix_cache_max_entries" in typed_names else None)
     pool_sizes = {"num_kv_blocks", "kv_cache_max_concurrency"}  # two ways to size the KV pool: a typed one wins
@@ -298,15 +298,15 @@ def check_prompt_kind(chat: bool, lengths: bool, shared_prefix: bool, text: bool
         raise ValueError(f"--prompt: cannot go with {other}; choose one")
 
 
-def prompt_kind_typed(args: argparse.Namespace, typed: set[str], text: bool = False) -> None:
+def prompt_kind_typed(args: argparse.Namespace, typed: set[str]) -> None:
     """A kind of prompt typed on the command line replaces the stage's (or the preset's) own:
     `--chat-prompts` on stage 12, whose BENCH asks for random 16-token prompts with EOS ignored,
     runs chat questions that stop at EOS (unless `--no-stop-on-eos` is typed too), as stage 13's
     workload does, and on stage 10 without its shared prefix; `--prompt-len-min/max` on stage 13
     runs random prompts (that stop at EOS, as the stage's own did: only chat questions bring an
-    EOS setting of their own); a typed `--prompt` (`text`), even the default's "Hello", runs that text.
+    EOS setting of their own); a typed `--prompt`, even the default's "Hello", runs that text.
     Two kinds typed together are an error naming them."""
-    chat, lengths = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"})
+    chat, lengths, text = "chat_prompts" in typed, bool(typed & {"prompt_len_min", "prompt_len_max"}), "prompt" in typed
     check_prompt_kind(chat, lengths, "shared_prefix_len" in typed, text)
     if chat:
         args.prompt_len_min = args.prompt_len_max = args.shared_prefix_len = None

@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.serve.generation import SHUTTING_DOWN, Delta, ServeState, generate
 from common.serve.transport import CancelOnDisconnect, EventStream
-from common.serve.protocol import (APIError, ParsedRequest, check_model, choice, envelope, new_id, parse_chat,
-                                   parse_completion, parse_json, sse, text_event, usage)
+from common.serve.protocol import (APIError, ParsedRequest, check_model, choice, envelope, internal_error, new_id,
+                                   parse_chat, parse_completion, parse_json, sse, text_event, usage)
 from common.serve.tokenization import add_tokenize_routes
 
 # OpenAI's answer to a missing or wrong key; /health and /metrics stay open, as in vLLM
@@ -125,7 +125,7 @@ def build_app(state: ServeState) -> FastAPI:
     async def on_bug(_: Request, exc: Exception) -> Response:
         # A bug on one of FastAPI's routes (/tokenize, /metrics, ...): OpenAI's shape, as the
         # generation routes answer theirs. Starlette raises it again afterwards, so uvicorn logs it.
-        return _json(APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error").body(), 500)
+        return _json(internal_error(exc).body(), 500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -234,4 +234,4 @@ class GenerationRoutes:
 def _bug(exc: Exception) -> Response:
     """A bug while answering: a 500 in OpenAI's shape, and what it was in the log."""
     logging.getLogger("stagewise.serve").exception("request failed")
-    return _json(APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error").body(), 500)
+    return _json(internal_error(exc).body(), 500)

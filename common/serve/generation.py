@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from common.requests import ContextLengthExceeded
 from common.serve.engine_process import call_beside, check_health, engine_stats
 from common.serve.metrics import ServeMetrics
-from common.serve.protocol import DETOKENIZE_CONTEXT, APIError, ParsedRequest, StopMatcher, tokens_through
+from common.serve.protocol import DETOKENIZE_CONTEXT, APIError, ParsedRequest, StopMatcher, internal_error, tokens_through
 from common.tokenizer import LONG_TEXT
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -157,7 +157,7 @@ def _api_error(exc: BaseException, req: ParsedRequest) -> APIError:
             if text.startswith(field):
                 return APIError(400, name + text[len(field):], param=name, code="invalid_value")
         return APIError(400, text, code="invalid_value")
-    return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
+    return internal_error(exc)
 
 
 async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta]:
@@ -202,8 +202,7 @@ async def generate(state: ServeState, req: ParsedRequest) -> AsyncIterator[Delta
                 text, stopped = matcher.feed(chunk.text)
                 if stopped:
                     handle.cancel()
-                    n_tokens += 1 if len(chunk.token_ids) == 1 else tokens_through(
-                        state.tokenizer, context, chunk.token_ids, matcher.end)
+                    n_tokens += tokens_through(state.tokenizer, context, chunk.token_ids, matcher.end)
                 else:
                     n_tokens += len(chunk.token_ids)
                     if req.stop:

@@ -67,6 +67,11 @@ def _utf8(text: str | None) -> str | None:
     return text
 
 
+def internal_error(exc: BaseException) -> APIError:
+    """A bug's 500, in OpenAI's shape, saying what it was."""
+    return APIError(500, f"{type(exc).__name__}: {exc}", type_="internal_error")
+
+
 def bad_request(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
