@@ -14,6 +14,7 @@ Names:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,10 +127,8 @@ def load_model(
     dev = resolve_device(device)
     dt, why = choose_dtype(dtype, dev)
     path = model_dir(name_or_path)
-    from transformers import AutoTokenizer
-
     with offline():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
         model = DecoderModel.from_pretrained(path, device=dev, dtype=dt) if weights else None
     return LoadedModel(
         name=str(name_or_path), path=path, model=model, tokenizer=tokenizer,
@@ -163,6 +162,26 @@ def model_dir(name_or_path: str | os.PathLike) -> Path:
     )
 
 
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer in `path`, the one `AutoTokenizer.from_pretrained(path)` gives.
+
+    AutoTokenizer finds the class named in tokenizer_config.json, and to do that it imports
+    transformers' registry of every model's tokenizer (1-2 s of each process's start on a 2-core
+    CPU: every command, bench worker, server and rank). When the class is the plain
+    `tokenizers`-backed one, as in every directory our cache builds, we name it ourselves:
+    same class, same files.
+    """
+    config = Path(path) / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in ("TokenizersBackend", "PreTrainedTokenizerFast") and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def _recipe(name: str) -> dict:
     if name == "tiny":
         return {"recipe": "tiny-v1", "seed": TINY_SEED, "std": [TINY_WEIGHT_STD, TINY_PROJ_STD, TINY_FINAL_NORM]}
@@ -170,9 +189,7 @@ def _recipe(name: str) -> dict:
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(dst)
+    load_tokenizer(src).save_pretrained(dst)
 
 
 def _save_random_checkpoint(

@@ -73,9 +73,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies [D/2] in fp32 (HF's formula), with optional Llama-3.1 scaling."""
+    """Inverse frequencies [D/2] in fp32 (HF's formula), with optional Llama-3.1 scaling.
+    Computed on the CPU whatever the default device: arithmetic on the meta device, where
+    `from_hf_state` builds the model, imports torch._dynamo (1-2 s of a process's start)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (arange.float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -225,10 +228,16 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Weights come from a checkpoint (`from_hf_state` builds the model on the meta device), so
+        # no initial values: given none, nn.Embedding draws them, and on the meta device that
+        # draw imports torch._dynamo (1-2 s of every process's start).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList()
         if config.arch == "gpt2":
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            positions = config.max_position_embeddings
+            self.embed_positions = nn.Embedding(positions, config.hidden_size,
+                                                _weight=torch.empty(positions, config.hidden_size))
             self.layers.extend(GPT2Block(config, i) for i in range(config.num_layers))
             self.norm: nn.Module = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         elif config.arch == "llama":

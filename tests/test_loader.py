@@ -170,3 +170,41 @@ def test_gpt2_random_shape(tmp_cache):
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.max_position_embeddings) == (
         "gpt2", 12, 768, 12, 1024)
     assert cfg.vocab_size == 49152 and cfg.eos_token_ids == (2,)
+
+
+def test_load_tokenizer_is_the_one_autotokenizer_gives(tmp_path):
+    """Our cache's tokenizers are named directly (no registry import): the same class and ids as
+    AutoTokenizer's. Any other class named in tokenizer_config.json still goes through AutoTokenizer."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from common.loader import load_tokenizer
+
+    path = model_dir("tiny")
+    text, chat = "Hello wörld 你好 🙂", [{"role": "user", "content": "hi"}]
+    mine, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert type(mine) is type(auto) and mine.init_kwargs == auto.init_kwargs
+    assert mine(text).input_ids == auto(text).input_ids and mine.eos_token_id == auto.eos_token_id
+    assert mine.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(load_tokenizer(other)) is type(AutoTokenizer.from_pretrained(other, local_files_only=True))
+
+
+def test_a_fresh_process_loads_a_model_without_torch_dynamo_or_the_tokenizer_registry():
+    """Two imports nothing here uses, 2-4 s of every process's start on a 2-core CPU (each CLI
+    command, bench worker, server, rank): `torch._dynamo`, which drawing random values or doing
+    arithmetic on the meta device pulls in, and AutoTokenizer's registry of every model."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from common.loader import load_model; load_model('tiny', device='cpu', dtype='float32'); "
+            "print([m for m in ('torch._dynamo', 'transformers.models.auto.tokenization_auto') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -147,10 +147,8 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     if args.prompt_len_min is None and args.prompt_len_max is None and not args.shared_prefix_len \
             and not args.long_prompts:
         return None
-    from transformers import AutoTokenizer
-
-    from common.loader import model_dir
-    return AutoTokenizer.from_pretrained(str(model_dir(args.tokenizer or args.model)))
+    from common.loader import load_tokenizer, model_dir
+    return load_tokenizer(model_dir(args.tokenizer or args.model))
 
 
 def header(args: argparse.Namespace, target: Target) -> dict:
