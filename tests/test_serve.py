@@ -329,7 +329,7 @@ def test_bad_input_answered_in_openai_shape(live, path, body, status, param) -> 
     assert resp.status_code == status
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param
+    assert error["param"] == param and error["type"] == "invalid_request_error"  # OpenAI's, for every 4xx here
     if param:
         assert error["message"].startswith(param)
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # still serving
@@ -343,6 +343,7 @@ def test_wrong_method_and_unknown_path_in_openai_shape(live) -> None:
         resp = httpx.request(method, live.url + path, timeout=10)
         assert resp.status_code == status, (method, path)
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert resp.json()["error"]["type"] == "invalid_request_error", (method, path)
         assert resp.headers.get("allow") == allow, (method, path)  # a 405 says which method would do
 
 

@@ -118,8 +118,7 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json(APIError(exc.status_code, str(exc.detail), type_=kind).body(), exc.status_code, exc.headers)
+        return _json(APIError(exc.status_code, str(exc.detail)).body(), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(_: Request, exc: Exception) -> Response:

@@ -205,10 +205,11 @@ def _stops(body: dict) -> list[str]:
 
 
 def check_model(model: str | None, served: str) -> None:
-    """A request may name the served model or none; any other is OpenAI's 404."""
+    """A request may name the served model or none; any other is OpenAI's 404 (its type, as every
+    4xx of OpenAI's, `invalid_request_error`; the code says which)."""
     if model is not None and model != served:
         raise APIError(404, f"model: {model!r} is not served here; this server has {served!r}",
-                       type_="not_found_error", param="model", code="model_not_found")
+                       param="model", code="model_not_found")
 
 
 def model_field(body: dict) -> str | None:
