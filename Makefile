@@ -19,9 +19,9 @@ TORCH_INDEX ?=
 NEWEST := $(lastword $(sort $(wildcard stages/s[0-9]*_*)))
 export NO_MKDOCS_2_WARNING := 1  # mkdocs-material's banner about MkDocs 2; not a build warning
 BENCH_ARGS ?=
-# pytest-xdist workers for `make test`. Two on a 2-core machine (CI's) finish in about 60% of the
-# time of one: much of the suite runs on one core (a fresh process's imports, a server's event
-# loop, the tiny model's small ops). TEST_WORKERS=0 runs everything in one process.
+# pytest-xdist workers for `make test`. Two on a 2-core machine (CI's) finish in about two thirds
+# of the time of one: much of the suite runs on one core (a fresh process's imports, a server's
+# event loop, the tiny model's small ops). TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: bench test venv docs docs-check results clean-venv

@@ -205,8 +205,8 @@ def _stops(body: dict) -> list[str]:
 
 
 def check_model(model: str | None, served: str) -> None:
-    """A request may name the served model or none; any other is OpenAI's 404 (its type, as every
-    4xx of OpenAI's, `invalid_request_error`; the code says which)."""
+    """A request may name the served model or none; any other is OpenAI's 404 (type
+    `invalid_request_error`, code `model_not_found`, as OpenAI answers)."""
     if model is not None and model != served:
         raise APIError(404, f"model: {model!r} is not served here; this server has {served!r}",
                        param="model", code="model_not_found")
