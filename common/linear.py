@@ -7,13 +7,19 @@ oneDNN's matmul with the weight reordered into its format ONCE, at load time, di
 decode-sized products about 2x faster on this 2-core AMD EPYC (Zen 4): SmolLM2's projections
 for 16 one-token rows in 27 ms instead of 57. At prefill sizes (hundreds to thousands of rows)
 the repacking is a small share of the call, and the two paths ran within about 15% of each
-other, either way, in micro-benchmarks on different days. Packing does not win at one or two
-rows everywhere: on a 2-core Xeon without bf16 units (family/model 6/85) `F.linear` did them in
-0.7-0.8x the packed time, and 4 to 16 rows in 1.8-2.7x (`stagewise floor-curve --matmul both`,
-docs/metrics.md). The weights stay packed at every size. It is what
+other, either way, in micro-benchmarks on different days. It is what
 PyTorch's own compiler emits for a linear layer whose weight it may freeze
 (`torch.ops.mkldnn._linear_pointwise`, Inductor's CPU freezing pass); we call the op directly,
 no compiler and no extension: plain PyTorch.
+
+Packing does not win at a few rows everywhere. There a product reads each weight once for one
+to three rows: a matrix-vector product whose time is the weights' read from memory, and MKL's
+path for it (`F.linear`) streams them faster than oneDNN's on some CPUs: on a 2-core Xeon
+without bf16 units (family/model 6/85) SmolLM2's layer projections for one row took 0.57-0.85x
+the packed time, its lm_head about the same, while at four rows MKL switched to its repacking
+path and took 1.1-2.4x. Which path is faster at which rows is the machine's, so the model
+measures it at load, per projection, on its own weights (`rows_for_f_linear`), and goes through
+`F.linear` up to that many rows (`linear`'s `unpacked_rows`).
 
 The products are the same up to float rounding (summation order differs: a few 1e-6 on fp32
 activations), which the parity tests against transformers check every stage against. The op
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +43,20 @@ from torch import Tensor
 
 # Rows the packed layout is tuned for; any number of rows works with it (decode: 1-64, prefill: thousands).
 PACK_FOR_ROWS = 16
+# `rows_for_f_linear` tries F.linear from one row up to this many: past a few rows a product is no
+# longer a matrix-vector read, and MKL lays the weight out again on every call (see above).
+MAX_UNPACKED_ROWS = 4
+# Weights smaller than this (all layers of one projection together) are not measured and stay
+# packed: they sit in the caches, where one row's product is not the read from memory it is about.
+MEASURE_MIN_BYTES = 16 << 20
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None,
+           unpacked_rows: int = 0) -> Tensor:
     """`F.linear(x, weight, bias)`: x [..., in] @ weight [out, in]^T -> [..., out], through `packed`
-    (the same weight as `pack` returned it) when there is one."""
-    if packed is None:
+    (the same weight as `pack` returned it) when there is one, unless x has 1 to `unpacked_rows`
+    rows (`rows_for_f_linear` measures how many)."""
+    if packed is None or (unpacked_rows and x.numel() <= unpacked_rows * x.shape[-1]):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -92,3 +107,44 @@ def cpu_has_bf16_units() -> bool:
             return False
     return False
 
+
+Weights = list[tuple[Tensor, Tensor | None, Tensor | None]]  # (weight [out, in], bias, packed) per layer
+
+
+@torch.inference_mode()
+def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_ROWS) -> dict[str, int]:
+    """Per projection (all layers' weights of one name), up to how many rows `F.linear` multiplies
+    by them faster than their packed copies, on this machine, now: 0 where packed wins at one row.
+
+    Measured as a decode step runs them: every group in turn over all its layers, so that each
+    read comes from memory, not from a cache the previous pass left warm. Six passes for each row
+    count, paths alternating (packed, F.linear, F.linear, packed, packed, F.linear: a drifting
+    machine slows both alike); each path's first pass warms it up, the faster of its other two
+    counts. A group takes F.linear at `rows` only where it was at least 10% faster there and at
+    every row below; inside that margin the packed weights stay. Rows stop at the first count
+    where every group lost (SmolLM2 in fp32 on that Xeon: rows 1 to 4, about a second at load;
+    where packed wins at one row, six passes). Groups without packed weights, or under
+    MEASURE_MIN_BYTES, get 0."""
+    rows_for = {name: 0 for name in groups}
+    live = {name: ws for name, ws in groups.items()
+            if ws and all(p is not None for _, _, p in ws)
+            and sum(w.numel() * w.element_size() for w, _, _ in ws) >= MEASURE_MIN_BYTES}
+    gen = torch.Generator().manual_seed(0)
+    for rows in range(1, max_rows + 1):
+        if not live:
+            break
+        inputs = {name: [torch.randn(rows, w.shape[1], generator=gen).to(w.dtype) for w, _, _ in ws]
+                  for name, ws in live.items()}
+        times: dict[tuple[str, bool], list[float]] = {(n, p): [] for n in live for p in (True, False)}
+        for packed in (True, False, False, True, True, False):
+            for name, ws in live.items():
+                start = time.perf_counter()
+                for x, (w, b, p) in zip(inputs[name], ws):
+                    linear(x, w, b, p if packed else None)
+                times[name, packed].append(time.perf_counter() - start)
+        for name in list(live):
+            if min(times[name, False][1:]) < 0.9 * min(times[name, True][1:]):  # first passes: warm-up
+                rows_for[name] = rows
+            else:
+                del live[name]
+    return rows_for

@@ -10,7 +10,8 @@ Three load-time choices for speed, all invisible to callers: q/k/v (and gate/up)
 concatenated into one weight so each is a single matmul; GPT-2's Conv1D weights (stored
 [in, out]) are transposed once so every projection is a plain linear; and on a CPU in fp32 each
 weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x faster than
-`F.linear` there for decode-sized inputs).
+`F.linear` there for decode-sized inputs), except at the one to three rows where this machine
+runs `F.linear` faster, which the model measures once at load.
 
 One run-time choice too: our eager forwards keep SDPA off its cuDNN backend (`cudnn_attention`).
 On an H200 the eager steps ran several times slower with it, and they bring new shapes all the
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .linear import linear, pack
+from .linear import linear, pack, rows_for_f_linear
 
 
 class Attention(Protocol):
@@ -116,16 +117,18 @@ class Projections:
 
     PROJECTIONS: tuple[str, ...] = ()
     packed: dict[str, Tensor]  # name -> weight packed for oneDNN (common/linear.py); empty: F.linear
+    unpacked_rows: dict[str, int]  # name -> up to how many rows F.linear is the faster (measured at load)
 
     def projection(self, name: str) -> tuple[Tensor, Tensor | None]:
         return getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias", None)
 
     def project(self, name: str, x: Tensor) -> Tensor:
         weight, bias = self.projection(name)
-        return linear(x, weight, bias, self.packed.get(name))
+        return linear(x, weight, bias, self.packed.get(name), self.unpacked_rows.get(name, 0))
 
     def pack_weights(self) -> None:
         self.packed = {n: p for n in self.PROJECTIONS if (p := pack(self.projection(n)[0])) is not None}
+        self.unpacked_rows = {}
 
 
 class LlamaBlock(nn.Module, Projections):
@@ -150,7 +153,7 @@ class LlamaBlock(nn.Module, Projections):
         # rows: [gate_proj; up_proj]
         self.gate_up_weight = nn.Parameter(torch.empty(2 * config.intermediate_size, hidden))
         self.down_weight = nn.Parameter(torch.empty(hidden, config.intermediate_size))
-        self.packed = {}
+        self.packed, self.unpacked_rows = {}, {}
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
         B, T, _ = x.shape
@@ -185,7 +188,7 @@ class GPT2Block(nn.Module, Projections):
         self.fc_bias = nn.Parameter(torch.empty(inner))
         self.mlp_proj_weight = nn.Parameter(torch.empty(hidden, inner))
         self.mlp_proj_bias = nn.Parameter(torch.empty(hidden))
-        self.packed = {}
+        self.packed, self.unpacked_rows = {}, {}
 
     def forward(self, x: Tensor, attention: Attention) -> Tensor:
         B, T, _ = x.shape
@@ -251,6 +254,7 @@ class DecoderModel(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size)
         )
         self.lm_head_packed: Tensor | None = None  # see pack_weights
+        self.lm_head_unpacked_rows = 0
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -258,16 +262,34 @@ class DecoderModel(nn.Module):
 
     def project_lm_head(self, x: Tensor) -> Tensor:
         """[..., E] -> logits [..., V]."""
-        return linear(x, self.lm_head_weight, None, self.lm_head_packed)
+        return linear(x, self.lm_head_weight, None, self.lm_head_packed, self.lm_head_unpacked_rows)
 
     def pack_weights(self) -> "DecoderModel":
-        """Pack every projection once for oneDNN where that is the faster matmul (common/linear.py).
+        """Pack every projection once for oneDNN where that is the faster matmul (common/linear.py),
+        then measure, per projection, up to how many rows `F.linear` is the faster one here (one to
+        three rows on some CPUs: there a product is the weights' read, see `rows_for_f_linear`).
         The packed copies sit beside the weights (a second copy in memory: 0.5 GB for SmolLM2 in
         fp32); call it again after changing a weight, device or dtype."""
         for layer in self.layers:
             layer.pack_weights()
         self.lm_head_packed = pack(self.lm_head_weight)
+        groups = {name: [(*layer.projection(name), layer.packed.get(name)) for layer in self.layers]
+                  for name in self.layers[0].PROJECTIONS}
+        rows = rows_for_f_linear({**groups, "lm_head": [(self.lm_head_weight, None, self.lm_head_packed)]})
+        self.set_unpacked_rows(rows)
         return self
+
+    def set_unpacked_rows(self, rows: dict[str, int]) -> None:
+        """Up to how many rows each projection (by name; "lm_head" for the last) goes through
+        `F.linear` rather than its packed weight: what `pack_weights` measured, or a choice of one's own."""
+        for layer in self.layers:
+            layer.unpacked_rows = {n: int(rows.get(n, 0)) for n in layer.PROJECTIONS}
+        self.lm_head_unpacked_rows = int(rows.get("lm_head", 0))
+
+    @property
+    def unpacked_rows(self) -> dict[str, int]:
+        """Projection name -> up to how many rows it goes through `F.linear` (results record it)."""
+        return {**self.layers[0].unpacked_rows, "lm_head": self.lm_head_unpacked_rows}
 
     def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and the signed sin that `apply_rope` takes, [B, T, 1, D] (broadcast over heads), for

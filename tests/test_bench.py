@@ -47,10 +47,10 @@ def fake_model(hidden: int = 8, layers: int = 2, vocab: int = 32) -> types.Simpl
 
     def block() -> types.SimpleNamespace:
         weights = {name: torch.randn(*shape) for name, shape in shapes.items()}
-        return types.SimpleNamespace(PROJECTIONS=tuple(shapes), packed={},
+        return types.SimpleNamespace(PROJECTIONS=tuple(shapes), packed={}, unpacked_rows={},
                                      projection=lambda name: (weights[name], None))
     return types.SimpleNamespace(layers=[block() for _ in range(layers)], lm_head_weight=torch.randn(vocab, hidden),
-                                 lm_head_packed=None)
+                                 lm_head_packed=None, lm_head_unpacked_rows=0, unpacked_rows={})
 
 
 def fake_loaded():
@@ -323,6 +323,15 @@ def test_bench_json_has_every_field(fake_stages, tmp_path, capsys):
     assert "=== comparison" in text and "fake_s02 vs fake_s01" in text
     assert "Decode step (ms): 1.00" in text and "Matmul floor at batch 5 (ms):" in text and "x floor:" in text
     assert "Process: shared, engines alternating" in text
+    assert data["matmul_unpacked_rows"] == {} and "F.linear at few rows" not in text  # all packed: no line
+
+
+def test_the_floor_lines_name_the_projections_that_take_f_linear_at_few_rows() -> None:
+    from common.bench.report import floor_lines
+
+    lines = floor_lines({"floor_ms": 2.0, "floor_batch": 1, "matmul_unpacked_rows": {"qkv": 3, "gate_up": 0, "lm_head": 1}})
+    assert lines[-1] == "F.linear at few rows (measured at load, packed above): qkv <= 3, lm_head <= 1"
+    assert not any("F.linear" in line for line in floor_lines({"floor_ms": 2.0, "matmul_unpacked_rows": {"qkv": 0}}))
 
 
 def test_token_mismatch_is_reported_not_fatal(fake_stages, capsys):

@@ -23,21 +23,30 @@ def test_floor_times_exactly_the_decode_steps_matmuls(tiny, monkeypatch) -> None
     calls: list[tuple[tuple[int, ...], tuple[int, ...], bool, object]] = []
     real = floor.linear
 
-    def counting(x, w, b=None, packed=None):
-        calls.append((tuple(x.shape), tuple(w.shape), b is not None, packed))
-        return real(x, w, b, packed)
+    def counting(x, w, b=None, packed=None, unpacked_rows=0):
+        calls.append((tuple(x.shape), tuple(w.shape), b is not None, packed, unpacked_rows))
+        return real(x, w, b, packed, unpacked_rows)
 
     monkeypatch.setattr(floor, "linear", counting)
     ms = floor.matmul_floor_ms(tiny.model, 3, warmup=1, repeats=2)
     layers = tiny.config.num_layers
     per_step = 4 * layers + 1  # qkv, o, gate_up, down per layer, then the lm_head
     assert ms > 0 and len(calls) == 3 * per_step
-    assert all(x[0] == 3 and x[1] == w[1] for x, w, _, _ in calls)  # [B, in] @ [out, in]
+    assert all(x[0] == 3 and x[1] == w[1] for x, w, *_ in calls)  # [B, in] @ [out, in]
     assert calls[per_step - 1][1] == tuple(tiny.model.lm_head_weight.shape)
     # the very weights the model's own calls use: packed for oneDNN where the model packed them
     block = tiny.model.layers[0]
     assert [c[3] for c in calls[:4]] == [block.packed.get(n) for n in block.PROJECTIONS]
     assert calls[per_step - 1][3] is tiny.model.lm_head_packed
+    # and F.linear up to the rows the model measured faster so at load
+    measured = tiny.model.unpacked_rows
+    tiny.model.set_unpacked_rows({"qkv": 3, "lm_head": 2})
+    try:
+        calls.clear()
+        floor.matmul_floor_ms(tiny.model, 3, warmup=0, repeats=1)
+        assert [c[4] for c in calls[:4]] == [3, 0, 0, 0] and calls[-1][4] == 2
+    finally:
+        tiny.model.set_unpacked_rows(measured)  # the fixture is the session's
 
 
 def test_decode_batch_and_x_floor() -> None:
@@ -53,7 +62,8 @@ def test_floor_sampler_keeps_one_sample_per_run_and_reports_their_median(tiny, m
     sampler = floor.FloorSampler(tiny.model, 4)
     for _ in range(3):
         sampler()  # as run_engines calls it after each timed run
-    assert sampler.fields() == {"floor_ms": 3.0, "floor_batch": 4, "floor_samples_ms": [5.0, 1.0, 3.0]}
+    assert sampler.fields() == {"floor_ms": 3.0, "floor_batch": 4, "floor_samples_ms": [5.0, 1.0, 3.0],
+                                "matmul_unpacked_rows": tiny.model.unpacked_rows}  # the products the floor ran
     lone = floor.FloorSampler(tiny.model, 2)
     monkeypatch.setattr(floor, "matmul_floor_ms", lambda model, batch, **kw: 7.0)
     assert lone.fields()["floor_samples_ms"] == [7.0]  # no timed run: measured once, when asked

@@ -51,12 +51,12 @@ def test_the_floor_through_f_linear_hands_linear_no_packed_weight(monkeypatch) -
     model = load_model("tiny", device="cpu", dtype="float32").model
     seen: list[bool] = []
     real = floor.linear
-    monkeypatch.setattr(floor, "linear", lambda x, w, b, packed: seen.append(packed is None) or real(x, w, b, packed))
+    monkeypatch.setattr(floor, "linear", lambda x, w, b, packed, rows: seen.append(packed is None) or real(x, w, b, packed, rows))
     floor.matmul_floor_ms(model, 2, warmup=0, repeats=1, packed=False)  # one step: one call a matmul
     assert seen == [True] * len(floor.decode_matmuls(model))
     seen.clear()
     floor.matmul_floor_ms(model, 2, warmup=0, repeats=1)  # the model's own: packed where it packed them
-    assert seen == [pw is None for _, _, pw in floor.decode_matmuls(model)]
+    assert seen == [pw is None for _, _, pw, _ in floor.decode_matmuls(model)]
 
 
 def test_floor_curve_on_tiny_writes_its_json(tmp_path, capsys) -> None:

@@ -95,3 +95,99 @@ def test_the_model_packs_every_projection_in_fp32_and_in_bf16_on_bf16_units(monk
         assert bf16.lm_head_packed is not None and bf16.lm_head_packed.dtype == torch.bfloat16
     else:
         assert all(not layer.packed for layer in bf16.layers) and bf16.lm_head_packed is None
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_rows_go_through_f_linear_and_more_through_the_packed_weight(with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if with_bias else None
+    packed = lin.pack(w)
+    for shape in [(1, 40), (2, 40), (1, 2, 40), (3, 40), (1, 3, 40), (4, 40), (2, 2, 40), (5, 40)]:
+        x = torch.randn(*shape, generator=gen)
+        rows = x.numel() // 40
+        out = lin.linear(x, w, b, packed, unpacked_rows=3)
+        # bit for bit the path it should have taken (the two round differently)
+        assert torch.equal(out, F.linear(x, w, b) if rows <= 3 else lin.linear(x, w, b, packed)), shape
+
+
+class _Clock:
+    """A fake `time` for `rows_for_f_linear`: each `linear` call advances it by what `cost` says."""
+
+    def __init__(self) -> None:
+        self.now, self.calls = 0.0, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _timed(monkeypatch, cost) -> _Clock:
+    clock = _Clock()
+
+    def fake_linear(x, w, b=None, packed=None, unpacked_rows=0):
+        clock.calls.append((int(w.shape[0]), x.shape[0], packed is not None))
+        clock.now += cost(int(w.shape[0]), x.shape[0], packed is not None, len(clock.calls))
+        return x
+
+    monkeypatch.setattr(lin, "time", clock)
+    monkeypatch.setattr(lin, "linear", fake_linear)
+    return clock
+
+
+def test_rows_for_f_linear_keeps_the_rows_where_f_linear_was_clearly_faster(monkeypatch) -> None:
+    # One weight per group, told apart by its rows: 1 -> faster through F.linear up to 2 rows,
+    # 2 -> packed faster, 3 -> F.linear only 5 % faster (inside the margin), 4 -> no packed weight.
+    def cost(out: int, rows: int, packed: bool, n: int) -> float:
+        if packed:
+            return 1.0
+        return {1: 0.6 if rows <= 2 else 1.5, 2: 1.3, 3: 0.95, 4: 0.1}[out]
+
+    clock = _timed(monkeypatch, cost)
+    monkeypatch.setattr(lin, "MEASURE_MIN_BYTES", 0)
+    groups = {f"g{out}": [(torch.zeros(out, 8), None, None if out == 4 else torch.zeros(1))] for out in (1, 2, 3, 4)}
+    assert lin.rows_for_f_linear(groups) == {"g1": 2, "g2": 0, "g3": 0, "g4": 0}
+    # rows 1 to 3 were tried (g1 lost at 3); never a group without packed weights; six passes a row count
+    assert sorted({r for _, r, _ in clock.calls}) == [1, 2, 3]
+    assert all(out != 4 for out, _, _ in clock.calls)
+    assert sum(1 for out, r, _ in clock.calls if out == 1 and r == 1) == 6
+
+
+def test_rows_for_f_linear_leaves_out_each_paths_warm_up_pass(monkeypatch) -> None:
+    # F.linear's first pass is slow (a library's first call), packed's first pass fast: neither counts.
+    seen: dict[bool, int] = {True: 0, False: 0}
+
+    def cost(out: int, rows: int, packed: bool, n: int) -> float:
+        seen[packed] += 1
+        if seen[packed] == 1:
+            return 100.0 if not packed else 0.01
+        return 1.0 if packed else (0.5 if rows == 1 else 2.0)
+
+    _timed(monkeypatch, cost)
+    monkeypatch.setattr(lin, "MEASURE_MIN_BYTES", 0)
+    assert lin.rows_for_f_linear({"g": [(torch.zeros(4, 8), None, torch.zeros(1))]}) == {"g": 1}
+
+
+def test_small_weights_are_not_measured_and_stay_packed(monkeypatch, tiny) -> None:
+    clock = _timed(monkeypatch, lambda *a: 1.0)
+    small = [(torch.zeros(64, 64), None, torch.zeros(1))] * 3  # 48 KiB, in any cache
+    assert lin.rows_for_f_linear({"g": small}) == {"g": 0} and clock.calls == []
+    # so the tiny test model's projections are packed at every row count, run after run
+    assert set(tiny.model.unpacked_rows.values()) == {0}
+
+
+@pytest.mark.parametrize("stage", ["s02_kv_cache", "s14_tensor_parallel"])
+def test_f_linear_at_few_rows_keeps_greedy_tokens_equal_to_transformers(stage, tiny, hf_greedy) -> None:
+    from common.requests import Request, SamplingParams
+    from conftest import stage_module
+
+    measured = tiny.model.unpacked_rows
+    tiny.model.set_unpacked_rows({name: lin.MAX_UNPACKED_ROWS for name in measured})  # decode at 1-2 rows: F.linear
+    try:
+        engine = stage_module(stage).InferenceEngine(tiny, max_batch_size=2)
+        prompts = ["Hello", "The capital of France is", "def fibonacci(n):"]
+        requests = [Request(prompt=p, params=SamplingParams(max_new_tokens=8)) for p in prompts]
+        for comp in engine.generate(requests):
+            assert comp.token_ids == hf_greedy(comp.prompt_token_ids, 8), comp.prompt
+    finally:
+        tiny.model.set_unpacked_rows(measured)  # the fixture is the session's

@@ -50,7 +50,7 @@ def test_chunked_prefill_is_timed_whole(tmp_path: Path, tiny) -> None:
 
 def test_projection_flops_and_the_prefill_floor(tiny, monkeypatch) -> None:
     config = tiny.config
-    per_layer = sum(w.shape[0] * w.shape[1] for w, _, _ in floor.decode_matmuls(tiny.model)[:4])
+    per_layer = sum(w.shape[0] * w.shape[1] for w, *_ in floor.decode_matmuls(tiny.model)[:4])
     expected = 2 * (10 * config.num_layers * per_layer + config.vocab_size * config.hidden_size)
     assert profile_prefill.projection_flops(tiny.model, 10) == expected
     rows: list[int] = []

@@ -3,7 +3,8 @@
 A decode step of any stage runs, for every layer, the same few projections on a [B, hidden]
 batch (Llama: qkv, o, gate_up, down; GPT-2: attn, attn_proj, fc, mlp_proj, with biases), then the
 lm_head projection, each through `common.linear.linear` with the weight the model packed for it
-(oneDNN on a CPU in fp32, `F.linear` elsewhere): the floor makes the same calls. Everything else
+(oneDNN on a CPU in fp32, `F.linear` elsewhere and at the few rows where it measured faster at
+load): the floor makes the same calls. Everything else
 a step does -- attention over the cache, norms, RoPE, sampling, the scheduler's Python -- comes
 on top. So the time of those matmuls alone, on the same
 weights, dtype and device, in the same process, is a floor no stage can beat; `x floor`
@@ -30,13 +31,14 @@ def decode_batch(max_batch_size: int, num_requests: int) -> int:
     return max(1, min(int(max_batch_size), int(num_requests)))
 
 
-def decode_matmuls(model: torch.nn.Module) -> list[tuple[Tensor, Tensor | None, Tensor | None]]:
-    """(weight [out, in], bias or None, packed weight or None) of every projection one decode
-    step makes, in order (see `Projections` in common/model.py)."""
-    out: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
+def decode_matmuls(model: torch.nn.Module) -> list[tuple[Tensor, Tensor | None, Tensor | None, int]]:
+    """(weight [out, in], bias or None, packed weight or None, rows up to which `F.linear` is used
+    instead) of every projection one decode step makes, in order (see `Projections` in
+    common/model.py): the arguments the step hands `common.linear.linear`."""
+    out: list[tuple[Tensor, Tensor | None, Tensor | None, int]] = []
     for layer in model.layers:
-        out += [(*layer.projection(name), layer.packed.get(name)) for name in layer.PROJECTIONS]
-    out.append((model.lm_head_weight, None, model.lm_head_packed))
+        out += [(*layer.projection(n), layer.packed.get(n), layer.unpacked_rows.get(n, 0)) for n in layer.PROJECTIONS]
+    out.append((model.lm_head_weight, None, model.lm_head_packed, model.lm_head_unpacked_rows))
     return out
 
 
@@ -53,8 +55,9 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     (as in the decoder, where every projection reads a fresh activation). At least `repeats`
     timed steps, more until `min_time_s` has passed (a tiny model's step is too short for 30).
     `lm_head_rows`: rows of the last product, the lm_head, where they differ from `batch` (a
-    prefill of `batch` tokens projects only its last row onto the vocabulary). `packed=False`
-    times `F.linear` on the same weights, where the model packed them for oneDNN (common/linear.py):
+    prefill of `batch` tokens projects only its last row onto the vocabulary). The model's own
+    products are packed where it packed them, `F.linear` up to the rows it measured faster so at
+    load; `packed=False` times `F.linear` on the same weights at every batch (common/linear.py):
     which of the two is faster at which batch is the machine's (`stagewise floor-curve --matmul`)."""
     if batch < 1 or repeats < 1 or (lm_head_rows is not None and lm_head_rows < 1):
         raise ValueError("batch, repeats and lm_head_rows: must be >= 1")
@@ -63,11 +66,11 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
     device, dtype = weight.device, weight.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows = [batch] * (len(mats) - 1) + [lm_head_rows or batch]
-    inputs = [torch.randn(n, w.shape[1], generator=gen).to(device=device, dtype=dtype) for n, (w, _, _) in zip(rows, mats)]
+    inputs = [torch.randn(n, w.shape[1], generator=gen).to(device=device, dtype=dtype) for n, (w, *_) in zip(rows, mats)]
 
     def step() -> None:
-        for x, (w, b, pw) in zip(inputs, mats):
-            linear(x, w, b, pw if packed else None)
+        for x, (w, b, pw, unpacked_rows) in zip(inputs, mats):
+            linear(x, w, b, pw if packed else None, unpacked_rows)
 
     return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
 
@@ -173,7 +176,8 @@ class FloorSampler:
         if not self.samples_ms:
             self()
         return {"floor_ms": float(statistics.median(self.samples_ms)), "floor_batch": self.batch,
-                "floor_samples_ms": [round(s, 3) for s in self.samples_ms]}
+                "floor_samples_ms": [round(s, 3) for s in self.samples_ms],
+                "matmul_unpacked_rows": dict(self.model.unpacked_rows)}
 
 
 def with_x_floor(result: dict, floor: dict | None) -> dict:

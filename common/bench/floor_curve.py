@@ -27,10 +27,12 @@ import torch
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
 from common.bench.flags import output_file
 from common.bench.floor import matmul_floor_ms
+from common.bench.report import unpacked_rows_lines
 from common.commands import add_model_args, run_command
 
 
-MATMUL_WORDS = {"model": "as the model runs them (common/linear.py)", "F.linear": "through F.linear",
+MATMUL_WORDS = {"model": "as the model runs them (common/linear.py: packed, F.linear at the rows it measured faster)",
+                "F.linear": "through F.linear",
                 "both": "as the model runs them (floor ms), and through F.linear, back to back"}
 
 
@@ -88,7 +90,7 @@ def format_curve(r: dict) -> str:
     lines = [f"=== matmul floor by batch: {r['model']} on {r['device']} ({r['dtype']}) ===",
              f"Dtype: {r['dtype_reason']}",
              f"Method: every batch once a round, {r['config']['rounds']} rounds in one process, medians",
-             f"Products: {MATMUL_WORDS[r['config'].get('matmul', 'model')]}",
+             f"Products: {MATMUL_WORDS[r['config'].get('matmul', 'model')]}", *unpacked_rows_lines(r),
              f"{'batch':>6} {'floor ms':>10} {'ms / row':>10} {'x b' + str(first['batch']):>8}"
              + (f" {'F.linear ms':>12} {'F / model':>10}" if "f_linear_ms" in first else "") + "   samples (ms)"]
     for row in r["batches"]:
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"kind": "floor-curve", "model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).replace("torch.", ""), "dtype_reason": loaded.dtype_reason,
               "threads": torch.get_num_threads(), "config": vars(a),
+              "matmul_unpacked_rows": loaded.model.unpacked_rows,
               "batches": measure(loaded.model, batches, a.rounds, a.matmul)}
     from common.bench.results import print_and_write
     return print_and_write("floor-curve", result, format_curve(result), a.json, argv)

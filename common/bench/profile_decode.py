@@ -57,7 +57,7 @@ import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the cod
 from common.bench.flags import add_enforce_eager_arg, output_file
 from common.bench.profiling import (GRAPH_KERNELS, graph_replays, group_fields, has_knob, kernel_fields, op_table,
                                     report_lines, result_head, stage_class, stage_engine)
-from common.bench.report import dtype_lines
+from common.bench.report import dtype_lines, unpacked_rows_lines
 from common.commands import add_model_args, run_command
 from common.config import ModelConfig
 
@@ -234,7 +234,7 @@ def measure(a: argparse.Namespace) -> dict:
     return {
         **result_head("profile-decode", package, loaded, a),
         "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps,
-        "matmuls_per_step": len(decode_matmuls(loaded.model)),
+        "matmuls_per_step": len(decode_matmuls(loaded.model)), "matmul_unpacked_rows": loaded.model.unpacked_rows,
         "decode_step_ms": step_ms, "step_samples_ms": [round(t, 3) for t in times],
         "floor_ms": floor_ms, "floor_samples_ms": [round(f, 3) for f in floors],
         "x_floor": step_ms / floor_ms if floor_ms else None,
@@ -258,7 +258,7 @@ def format_profile(r: dict, top: int) -> str:
              *dtype_lines(r),
              f"Batch {r['batch']} rows, {r['prompt_len']}-token prompts, {r['steps']} decode steps",
              f"Decode step (no profiler): {r['decode_step_ms']:.2f} ms median; matmul floor {r['floor_ms']:.2f} ms; "
-             f"x floor {r['x_floor']:.2f}"]
+             f"x floor {r['x_floor']:.2f}", *unpacked_rows_lines(r)]
     replayed = r.get("graph_replays", graph_replays(r.get("ops", [])))  # older files: from their op rows
     if replayed:
         lines.append("The steps replayed CUDA graphs: their kernels belong to no op, so the groups below "

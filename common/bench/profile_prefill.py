@@ -89,7 +89,7 @@ def projection_flops(model: torch.nn.Module, rows: int) -> float:
     every layer's on `rows` rows, the lm_head's on one."""
     from common.bench.floor import decode_matmuls
     mats = decode_matmuls(model)
-    per_row = sum(w.shape[0] * w.shape[1] for w, _, _ in mats[:-1])
+    per_row = sum(w.shape[0] * w.shape[1] for w, *_ in mats[:-1])
     lm_head = mats[-1][0]
     return 2.0 * (rows * per_row + lm_head.shape[0] * lm_head.shape[1])
 

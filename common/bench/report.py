@@ -16,6 +16,17 @@ def dtype_lines(result: dict) -> list[str]:
     or none where the result does not say."""
     return [f"Dtype: {result['dtype_reason']}"] if result.get("dtype_reason") else []
 
+
+def unpacked_rows_lines(result: dict) -> list[str]:
+    """The line a text report gives to the projections that go through `F.linear` at a few rows
+    (`common.linear.rows_for_f_linear`, measured at load), or none where all are packed or it
+    was not recorded."""
+    rows = {name: r for name, r in (result.get("matmul_unpacked_rows") or {}).items() if r}
+    if not rows:
+        return []
+    return ["F.linear at few rows (measured at load, packed above): "
+            + ", ".join(f"{name} <= {r}" for name, r in rows.items())]
+
 # (summary key, label, unit) in the posts' order.
 PERCENTILE_LINES: list[tuple[str, str, str]] = [
     ("submit_lag_ms", "Submit lag", "ms"),
@@ -74,7 +85,7 @@ def floor_lines(summary: dict) -> list[str]:
         lines.append(f"Matmul floor at batch {summary.get('floor_batch', '?')} (ms): {float(summary['floor_ms']):.3f}")
     if summary.get("x_floor") is not None:
         lines.append(f"x floor: {float(summary['x_floor']):.2f}")
-    return lines
+    return lines + unpacked_rows_lines(summary)
 
 
 def kv_lines(summary: dict) -> list[str]:
