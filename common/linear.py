@@ -12,14 +12,14 @@ PyTorch's own compiler emits for a linear layer whose weight it may freeze
 (`torch.ops.mkldnn._linear_pointwise`, Inductor's CPU freezing pass); we call the op directly,
 no compiler and no extension: plain PyTorch.
 
-Packing does not win at a few rows everywhere. There a product reads each weight once for one
-to three rows: a matrix-vector product whose time is the weights' read from memory, and MKL's
-path for it (`F.linear`) streams them faster than oneDNN's on some CPUs: on a 2-core Xeon
-without bf16 units (family/model 6/85) SmolLM2's layer projections for one row took 0.57-0.85x
-the packed time, its lm_head about the same, while at four rows MKL switched to its repacking
-path and took 1.1-2.4x. Which path is faster at which rows is the machine's, so the model
-measures it at load, per projection, on its own weights (`rows_for_f_linear`), and goes through
-`F.linear` up to that many rows (`linear`'s `unpacked_rows`).
+Packing does not win at a few rows everywhere. At one to three rows a product does a few
+multiply-adds per weight it reads, so its time is the weights' read from memory, and MKL's
+matrix-vector path (`F.linear`) streams them faster than oneDNN's on some CPUs: on a 2-core
+Xeon without bf16 units (family/model 6/85) `F.linear` did SmolLM2's products for one and two
+rows in 0.7-0.8x the packed time, and 4 to 16 rows in 1.8-2.7x (`stagewise floor-curve
+--matmul both`, docs/metrics.md). Which path is faster at which rows is the machine's, so the
+model measures it at load, per projection, on its own weights (`rows_for_f_linear`), and goes
+through `F.linear` up to that many rows (`linear`'s `unpacked_rows`).
 
 The products are the same up to float rounding (summation order differs: a few 1e-6 on fp32
 activations), which the parity tests against transformers check every stage against. The op
@@ -122,7 +122,7 @@ def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_R
     machine slows both alike); each path's first pass warms it up, the faster of its other two
     counts. A group takes F.linear at `rows` only where it was at least 10% faster there and at
     every row below; inside that margin the packed weights stay. Rows stop at the first count
-    where every group lost (SmolLM2 in fp32 on that Xeon: rows 1 to 4, about a second at load;
+    where every group lost (SmolLM2 in fp32 on that Xeon: rows 1 to 4, under a second at load;
     where packed wins at one row, six passes). Groups without packed weights, or under
     MEASURE_MIN_BYTES, get 0."""
     rows_for = {name: 0 for name in groups}
