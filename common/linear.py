@@ -12,14 +12,16 @@ PyTorch's own compiler emits for a linear layer whose weight it may freeze
 (`torch.ops.mkldnn._linear_pointwise`, Inductor's CPU freezing pass); we call the op directly,
 no compiler and no extension: plain PyTorch.
 
-Packing does not win at a few rows everywhere. At one to three rows a product does a few
-multiply-adds per weight it reads, so its time is the weights' read from memory, and MKL's
-matrix-vector path (`F.linear`) streams them faster than oneDNN's on some CPUs: on a 2-core
-Xeon without bf16 units (family/model 6/85) `F.linear` did SmolLM2's products for one and two
-rows in 0.7-0.8x the packed time, and 4 to 16 rows in 1.8-2.7x (`stagewise floor-curve
---matmul both`, docs/metrics.md). Which path is faster at which rows is the machine's, so the
-model measures it at load, per projection, on its own weights (`rows_for_f_linear`), and goes
-through `F.linear` up to that many rows (`linear`'s `unpacked_rows`).
+Packing does not win at a few rows everywhere. There a product does a few multiply-adds per
+weight it reads, so its time is mostly the weights' read from memory, and on some CPUs MKL's
+path for so few rows (`F.linear`) read them faster than oneDNN's packed one: on a 2-core Xeon
+without bf16 units (family/model 6/85) `F.linear` did SmolLM2's products for one and two rows
+in 0.7-0.8x the packed time, and 4 to 16 rows in 1.8-2.7x (`stagewise floor-curve --matmul
+both`, docs/metrics.md). Which path is faster at which rows is the machine's, so the model
+measures it at load, per projection, on its own weights (`rows_for_f_linear`, at most
+MAX_UNPACKED_ROWS), and goes through `F.linear` up to that many rows (`linear`'s
+`unpacked_rows`). STAGEWISE_F_LINEAR_ROWS=N skips the measurement and takes N rows for every
+projection (0: packed at every size), where runs must not differ in which path they took.
 
 The products are the same up to float rounding (summation order differs: a few 1e-6 on fp32
 activations), which the parity tests against transformers check every stage against. The op
@@ -34,6 +36,7 @@ against 32. Elsewhere oneDNN emulates bf16 and `F.linear` stays.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 
@@ -47,15 +50,21 @@ PACK_FOR_ROWS = 16
 # longer a matrix-vector read, and MKL lays the weight out again on every call (see above).
 MAX_UNPACKED_ROWS = 4
 # Weights smaller than this (all layers of one projection together) are not measured and stay
-# packed: they sit in the caches, where one row's product is not the read from memory it is about.
+# packed: a cut-off chosen by hand, below which they mostly sit in the caches, where one row's
+# product is not the read from memory the measurement is about (and the tiny test model's run
+# the same path every time).
 MEASURE_MIN_BYTES = 16 << 20
+# Of a larger projection, the first layers' weights up to this many bytes are timed: well past a
+# CPU's last-level cache, and a bounded cost at load however large the model.
+MEASURE_MAX_BYTES = 128 << 20
+ROWS_ENV = "STAGEWISE_F_LINEAR_ROWS"  # unset or "auto": measure at load; N: F.linear up to N rows
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None,
            unpacked_rows: int = 0) -> Tensor:
     """`F.linear(x, weight, bias)`: x [..., in] @ weight [out, in]^T -> [..., out], through `packed`
-    (the same weight as `pack` returned it) when there is one, unless x has 1 to `unpacked_rows`
-    rows (`rows_for_f_linear` measures how many)."""
+    (the same weight as `pack` returned it) when there is one, unless x has no more than
+    `unpacked_rows` rows (`rows_for_f_linear` measures how many; 0: packed at every size)."""
     if packed is None or (unpacked_rows and x.numel() <= unpacked_rows * x.shape[-1]):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -111,13 +120,25 @@ def cpu_has_bf16_units() -> bool:
 Weights = list[tuple[Tensor, Tensor | None, Tensor | None]]  # (weight [out, in], bias, packed) per layer
 
 
+def f_linear_rows_setting(environ: dict[str, str] | None = None) -> int | None:
+    """STAGEWISE_F_LINEAR_ROWS: None to measure at load (unset, empty or "auto"), else the rows
+    (0 to MAX_UNPACKED_ROWS) every projection takes `F.linear` for."""
+    value = (os.environ if environ is None else environ).get(ROWS_ENV, "").strip()
+    if value in ("", "auto"):
+        return None
+    if not value.isdigit() or int(value) > MAX_UNPACKED_ROWS:
+        raise ValueError(f"{ROWS_ENV} must be auto or a whole number from 0 to {MAX_UNPACKED_ROWS}, got {value!r}")
+    return int(value)
+
+
 @torch.inference_mode()
 def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_ROWS) -> dict[str, int]:
     """Per projection (all layers' weights of one name), up to how many rows `F.linear` multiplies
     by them faster than their packed copies, on this machine, now: 0 where packed wins at one row.
 
-    Measured as a decode step runs them: every group in turn over all its layers, so that each
-    read comes from memory, not from a cache the previous pass left warm. Six passes for each row
+    Measured as a decode step runs them: every group in turn over its layers (the first ones,
+    up to MEASURE_MAX_BYTES), so that each read comes from memory, not from a cache the previous
+    pass left warm. Six passes for each row
     count, paths alternating (packed, F.linear, F.linear, packed, packed, F.linear: a drifting
     machine slows both alike); each path's first pass warms it up, the faster of its other two
     counts. A group takes F.linear at `rows` only where it was at least 10% faster there and at
@@ -126,7 +147,7 @@ def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_R
     where packed wins at one row, six passes). Groups without packed weights, or under
     MEASURE_MIN_BYTES, get 0."""
     rows_for = {name: 0 for name in groups}
-    live = {name: ws for name, ws in groups.items()
+    live = {name: _first_bytes(ws, MEASURE_MAX_BYTES) for name, ws in groups.items()
             if ws and all(p is not None for _, _, p in ws)
             and sum(w.numel() * w.element_size() for w, _, _ in ws) >= MEASURE_MIN_BYTES}
     gen = torch.Generator().manual_seed(0)
@@ -148,3 +169,13 @@ def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_R
             else:
                 del live[name]
     return rows_for
+
+
+def _first_bytes(ws: Weights, limit: int) -> Weights:
+    """The first layers' weights of `ws`, as many as it takes to reach `limit` bytes (or all)."""
+    total = 0
+    for i, (w, _, _) in enumerate(ws):
+        total += w.numel() * w.element_size()
+        if total >= limit:
+            return ws[:i + 1]
+    return ws

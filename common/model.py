@@ -10,8 +10,8 @@ Three load-time choices for speed, all invisible to callers: q/k/v (and gate/up)
 concatenated into one weight so each is a single matmul; GPT-2's Conv1D weights (stored
 [in, out]) are transposed once so every projection is a plain linear; and on a CPU in fp32 each
 weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x faster than
-`F.linear` there for decode-sized inputs), except at the one to three rows where this machine
-runs `F.linear` faster, which the model measures once at load.
+`F.linear` there for decode-sized inputs), except at the few rows where this machine runs
+`F.linear` faster, which the model measures once at load.
 
 One run-time choice too: our eager forwards keep SDPA off its cuDNN backend (`cudnn_attention`).
 On an H200 the eager steps ran several times slower with it, and they bring new shapes all the
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .linear import linear, pack, rows_for_f_linear
+from .linear import f_linear_rows_setting, linear, pack, rows_for_f_linear
 
 
 class Attention(Protocol):
@@ -128,7 +128,7 @@ class Projections:
 
     def pack_weights(self) -> None:
         self.packed = {n: p for n in self.PROJECTIONS if (p := pack(self.projection(n)[0])) is not None}
-        self.unpacked_rows = {}
+        self.unpacked_rows = {}  # packed at every size until the model measures (DecoderModel.pack_weights)
 
 
 class LlamaBlock(nn.Module, Projections):
@@ -266,8 +266,8 @@ class DecoderModel(nn.Module):
 
     def pack_weights(self) -> "DecoderModel":
         """Pack every projection once for oneDNN where that is the faster matmul (common/linear.py),
-        then measure, per projection, up to how many rows `F.linear` is the faster one here (one to
-        three rows on some CPUs: there a product is the weights' read, see `rows_for_f_linear`).
+        then measure, per projection, up to how many rows `F.linear` is the faster one here (a few
+        rows on some CPUs: there a product is mostly the weights' read, see `rows_for_f_linear`).
         The packed copies sit beside the weights (a second copy in memory: 0.5 GB for SmolLM2 in
         fp32); call it again after changing a weight, device or dtype."""
         for layer in self.layers:
@@ -275,8 +275,9 @@ class DecoderModel(nn.Module):
         self.lm_head_packed = pack(self.lm_head_weight)
         groups = {name: [(*layer.projection(name), layer.packed.get(name)) for layer in self.layers]
                   for name in self.layers[0].PROJECTIONS}
-        rows = rows_for_f_linear({**groups, "lm_head": [(self.lm_head_weight, None, self.lm_head_packed)]})
-        self.set_unpacked_rows(rows)
+        groups["lm_head"] = [(self.lm_head_weight, None, self.lm_head_packed)]
+        fixed = f_linear_rows_setting()  # STAGEWISE_F_LINEAR_ROWS: the same choice in every run
+        self.set_unpacked_rows(rows_for_f_linear(groups) if fixed is None else dict.fromkeys(groups, fixed))
         return self
 
     def set_unpacked_rows(self, rows: dict[str, int]) -> None:

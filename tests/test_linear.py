@@ -6,6 +6,8 @@ where packing is not used (bf16, CUDA, an op that is missing) `F.linear` must ta
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,17 +101,71 @@ def test_the_model_packs_every_projection_in_fp32_and_in_bf16_on_bf16_units(monk
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN packed linear")
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_few_rows_go_through_f_linear_and_more_through_the_packed_weight(with_bias: bool) -> None:
+def test_few_rows_go_through_f_linear_and_more_through_the_packed_weight(monkeypatch, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(96, 40, generator=gen)
     b = torch.randn(96, generator=gen) if with_bias else None
     packed = lin.pack(w)
-    for shape in [(1, 40), (2, 40), (1, 2, 40), (3, 40), (1, 3, 40), (4, 40), (2, 2, 40), (5, 40)]:
+    plain: list[int] = []  # rows of each call that went through F.linear
+    monkeypatch.setattr(lin, "F", types.SimpleNamespace(linear=lambda x, w, b: plain.append(x.numel() // 40) or F.linear(x, w, b)))
+    for shape in [(1, 40), (2, 40), (1, 2, 40), (3, 40), (1, 3, 40), (4, 40), (2, 2, 40), (5, 40), (0, 40)]:
         x = torch.randn(*shape, generator=gen)
-        rows = x.numel() // 40
+        plain.clear()
         out = lin.linear(x, w, b, packed, unpacked_rows=3)
-        # bit for bit the path it should have taken (the two round differently)
-        assert torch.equal(out, F.linear(x, w, b) if rows <= 3 else lin.linear(x, w, b, packed)), shape
+        rows = x.numel() // 40
+        assert plain == ([rows] if rows <= 3 else []), shape
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    plain.clear()
+    lin.linear(torch.randn(1, 40), w, b, packed)  # unpacked_rows 0, the default: packed at every size
+    assert plain == []
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN packed linear")
+def test_the_model_takes_f_linear_in_every_projection_up_to_its_rows(monkeypatch, tiny) -> None:
+    calls: list[int] = []
+    real = lin.F.linear
+    monkeypatch.setattr(lin, "F", types.SimpleNamespace(linear=lambda x, w, b=None: calls.append(1) or real(x, w, b)))
+    model, measured = tiny.model, tiny.model.unpacked_rows
+
+    def one_row_forward() -> None:  # attention left out: q stands in for its output
+        with torch.inference_mode():
+            model(torch.tensor([[5]]), torch.tensor([[0]]), lambda layer, q, k, v: q)
+
+    try:
+        model.set_unpacked_rows(dict.fromkeys(measured, 1))
+        one_row_forward()
+        assert len(calls) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer, then the lm_head
+        calls.clear()
+        model.set_unpacked_rows({"o": 1, "lm_head": 1})
+        one_row_forward()
+        assert len(calls) == len(model.layers) + 1
+        calls.clear()
+        model.set_unpacked_rows({})
+        one_row_forward()
+        assert calls == []
+    finally:
+        model.set_unpacked_rows(measured)  # the fixture is the session's
+
+
+def test_the_rows_setting_is_auto_or_a_number_of_rows(monkeypatch, tiny) -> None:
+    assert lin.f_linear_rows_setting({}) is None and lin.f_linear_rows_setting({lin.ROWS_ENV: "auto"}) is None
+    assert lin.f_linear_rows_setting({lin.ROWS_ENV: "0"}) == 0 and lin.f_linear_rows_setting({lin.ROWS_ENV: " 3 "}) == 3
+    for bad in ("5", "-1", "two", "1.5"):
+        with pytest.raises(ValueError, match=lin.ROWS_ENV):
+            lin.f_linear_rows_setting({lin.ROWS_ENV: bad})
+    # set: the model takes it for every projection, and measures nothing
+    import common.model as model_module
+
+    measured = tiny.model.unpacked_rows
+    try:
+        with monkeypatch.context() as m:
+            m.setenv(lin.ROWS_ENV, "2")
+            m.setattr(model_module, "rows_for_f_linear", lambda groups: pytest.fail("measured despite the setting"))
+            tiny.model.pack_weights()
+            assert set(tiny.model.unpacked_rows.values()) == {2}
+    finally:
+        tiny.model.pack_weights()  # the fixture is the session's: packed and measured again, as loaded
+    assert tiny.model.unpacked_rows == measured
 
 
 class _Clock:
@@ -168,10 +224,15 @@ def test_rows_for_f_linear_leaves_out_each_paths_warm_up_pass(monkeypatch) -> No
     assert lin.rows_for_f_linear({"g": [(torch.zeros(4, 8), None, torch.zeros(1))]}) == {"g": 1}
 
 
-def test_small_weights_are_not_measured_and_stay_packed(monkeypatch, tiny) -> None:
+def test_small_weights_are_not_measured_and_large_ones_only_in_their_first_layers(monkeypatch, tiny) -> None:
     clock = _timed(monkeypatch, lambda *a: 1.0)
     small = [(torch.zeros(64, 64), None, torch.zeros(1))] * 3  # 48 KiB, in any cache
     assert lin.rows_for_f_linear({"g": small}) == {"g": 0} and clock.calls == []
+    monkeypatch.setattr(lin, "MEASURE_MIN_BYTES", 0)
+    monkeypatch.setattr(lin, "MEASURE_MAX_BYTES", 2 * 64 * 64 * 4)  # two of the layers' weights
+    layers = [(torch.zeros(64, 64), None, torch.zeros(1)) for _ in range(5)]
+    lin.rows_for_f_linear({"g": layers})
+    assert len(clock.calls) == 6 * 2  # six passes over the first two layers
     # so the tiny test model's projections are packed at every row count, run after run
     assert set(tiny.model.unpacked_rows.values()) == {0}
 

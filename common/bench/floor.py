@@ -177,7 +177,7 @@ class FloorSampler:
             self()
         return {"floor_ms": float(statistics.median(self.samples_ms)), "floor_batch": self.batch,
                 "floor_samples_ms": [round(s, 3) for s in self.samples_ms],
-                "matmul_unpacked_rows": dict(self.model.unpacked_rows)}
+                "matmul_unpacked_rows": self.model.unpacked_rows}
 
 
 def with_x_floor(result: dict, floor: dict | None) -> dict:
