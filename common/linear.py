@@ -47,7 +47,7 @@ from torch import Tensor
 # Rows the packed layout is tuned for; any number of rows works with it (decode: 1-64, prefill: thousands).
 PACK_FOR_ROWS = 16
 # `rows_for_f_linear` tries F.linear from one row up to this many: past a few rows a product is no
-# longer a matrix-vector read, and MKL lays the weight out again on every call (see above).
+# longer mostly the weights' read, and the packed layout won wherever it was measured (see above).
 MAX_UNPACKED_ROWS = 4
 # Weights smaller than this (all layers of one projection together) are not measured and stay
 # packed: a cut-off chosen by hand, below which they mostly sit in the caches, where one row's
@@ -138,14 +138,13 @@ def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_R
 
     Measured as a decode step runs them: every group in turn over its layers (the first ones,
     up to MEASURE_MAX_BYTES), so that each read comes from memory, not from a cache the previous
-    pass left warm. Six passes for each row
-    count, paths alternating (packed, F.linear, F.linear, packed, packed, F.linear: a drifting
-    machine slows both alike); each path's first pass warms it up, the faster of its other two
-    counts. A group takes F.linear at `rows` only where it was at least 10% faster there and at
-    every row below; inside that margin the packed weights stay. Rows stop at the first count
-    where every group lost (SmolLM2 in fp32 on that Xeon: rows 1 to 4, under a second at load;
-    where packed wins at one row, six passes). Groups without packed weights, or under
-    MEASURE_MIN_BYTES, get 0."""
+    pass left warm. Six passes for each row count, paths alternating (packed, F.linear, F.linear,
+    packed, packed, F.linear: a drifting machine slows both alike); each path's first pass warms
+    it up, the faster of its other two counts. A group takes F.linear at `rows` only where it was
+    at least 10% faster there and at every row below; inside that margin the packed weights stay.
+    Rows stop at the first count where every group lost (SmolLM2 in fp32 on that Xeon: rows 1
+    to 4, under a second at load; where packed wins at one row, six passes). Groups without
+    packed weights, or under MEASURE_MIN_BYTES, get 0."""
     rows_for = {name: 0 for name in groups}
     live = {name: _first_bytes(ws, MEASURE_MAX_BYTES) for name, ws in groups.items()
             if ws and all(p is not None for _, _, p in ws)
