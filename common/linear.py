@@ -148,7 +148,7 @@ def rows_for_f_linear(groups: dict[str, Weights], max_rows: int = MAX_UNPACKED_R
     rows_for = {name: 0 for name in groups}
     live = {name: _first_bytes(ws, MEASURE_MAX_BYTES) for name, ws in groups.items()
             if ws and all(p is not None for _, _, p in ws)
-            and sum(w.numel() * w.element_size() for w, _, _ in ws) >= MEASURE_MIN_BYTES}
+            and sum(w.nbytes for w, _, _ in ws) >= MEASURE_MIN_BYTES}
     gen = torch.Generator().manual_seed(0)
     for rows in range(1, max_rows + 1):
         if not live:
@@ -174,7 +174,7 @@ def _first_bytes(ws: Weights, limit: int) -> Weights:
     """The first layers' weights of `ws`, as many as it takes to reach `limit` bytes (or all)."""
     total = 0
     for i, (w, _, _) in enumerate(ws):
-        total += w.numel() * w.element_size()
+        total += w.nbytes
         if total >= limit:
             return ws[:i + 1]
     return ws
