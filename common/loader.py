@@ -137,6 +137,19 @@ def load_model(
     )
 
 
+def load_weights(loaded: LoadedModel) -> LoadedModel:
+    """Give a `LoadedModel` made with `weights=False` its model, in place (and return it).
+
+    A bench's parent loads weights-free first: when every engine then runs in a fresh child
+    process, the parent only builds the workload from the tokenizer, and loading (and packing)
+    half a gigabyte it never runs would cost seconds and memory. When it runs an engine itself,
+    it calls this, and the engine factories it already built see the model through `loaded`."""
+    if loaded.model is None:
+        with offline():
+            loaded.model = DecoderModel.from_pretrained(loaded.path, device=loaded.device, dtype=loaded.dtype)
+    return loaded
+
+
 def model_dir(name_or_path: str | os.PathLike) -> Path:
     """The HF-format directory for a name (built into the cache on first use) or a path."""
     builders: dict[str, Callable[[Path], None]] = {"tiny": _build_tiny, "gpt2-random": _build_gpt2_random}

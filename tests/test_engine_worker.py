@@ -69,9 +69,19 @@ def test_floor_sampler_keeps_one_sample_per_run_and_reports_their_median(tiny, m
     assert lone.fields()["floor_samples_ms"] == [7.0]  # no timed run: measured once, when asked
 
 
-def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
+def no_weights_here(monkeypatch) -> None:
+    """Make loading the model's weights in this (the parent) process fail; workers are other processes."""
+    from common.model import DecoderModel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the parent loaded the model's weights; only its workers run engines")
+    monkeypatch.setattr(DecoderModel, "from_pretrained", refuse)
+
+
+def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd, monkeypatch) -> None:
     from common.bench.harness import run_stage_bench
 
+    no_weights_here(monkeypatch)  # the tokenizer builds the workload; the children load the model
     out = tmp_path / "r.json"
     data = run_stage_bench("stages.s03_paged_attention", [
         "--model", "tiny", "--device", "cpu", "--compare", "--num-requests", "3", "--max-new-tokens", "3",
@@ -90,6 +100,21 @@ def test_compare_runs_each_engine_in_its_own_process(tmp_path, capfd) -> None:
     text = capfd.readouterr().out
     assert "=== s02_kv_cache: fresh process ===" in text and "Process: fresh, this engine alone" in text
     assert "correctness: greedy token ids identical across s03_paged_attention, s02_kv_cache" in text
+
+
+def test_an_engine_run_in_this_process_gets_the_weights_and_a_floor(tmp_path) -> None:
+    """The parent loads weights-free first; a bench without --compare (or with --same-process) and a
+    --same-process ladder run engines here, so they load the weights after and sample the floor."""
+    from common.bench import ladder
+    from common.bench.harness import run_stage_bench
+
+    small = ["--model", "tiny", "--device", "cpu", "--num-requests", "2", "--max-new-tokens", "2",
+             "--warmup-runs", "0", "--repeat-runs", "1"]
+    alone = run_stage_bench("stages.s03_paged_attention", [*small, "--prompt-len-min", "4", "--prompt-len-max", "9"])
+    assert alone["process"]["pid"] == os.getpid() and alone["completion_tokens"] == 4 and alone["floor_ms"] > 0
+    data = ladder.run_ladder([*small, "--out", str(tmp_path), "--stages", "2,3", "--no-hf", "--same-process"])
+    assert all(e["process"]["pid"] == os.getpid() and e["floor_ms"] > 0 for e in data["entries"])
+    assert data["correctness"]["equal"]
 
 
 def test_rounds_interleave_fresh_processes_and_pool_their_runs(tmp_path, capfd) -> None:
@@ -180,6 +205,7 @@ def test_ladder_rounds_run_every_rung_once_per_round(monkeypatch, tmp_path) -> N
         return real_spawn(job, engine)
 
     monkeypatch.setattr(spawner, "spawn", recording_spawn)
+    no_weights_here(monkeypatch)
     data = ladder.run_ladder(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--num-requests", "2",
                               "--max-new-tokens", "2", "--repeat-runs", "1", "--warmup-runs", "0", "--stages", "2,3",
                               "--no-hf", "--rounds", "2"])

@@ -43,10 +43,10 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_bench_args(module, argv)
     check_args(args)
-    from common.loader import load_model
+    from common.loader import load_model, load_weights
 
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, weights=False)  # weights: below
     requests = workload_from_args(loaded.tokenizer, args)
     notes: list[str] = []
     specs = build_specs(stage_package, args, loaded, notes)
@@ -68,17 +68,17 @@ def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
         print(f"note: {note}", flush=True)
 
     fresh = len(specs) > 1 and not args.same_process
-    floor = FloorSampler(loaded.model, decode_batch(args.max_batch_size, len(requests)))  # in-process runs
-    if fresh:
+    if fresh:  # each child loads the model and samples the floor; this process never runs it
         from common.bench.spawn import run_bench_engines
         correctness = run_bench_engines(specs, stage_package, argv, mode, requests, rounds=args.rounds)
-    elif mode == "streaming":
-        from common.bench import streaming
-        correctness = streaming.run_streaming_engines(specs, requests, args, after_run=floor)
-    else:
-        correctness = run_engines(specs, lambda s: run_offline_once(s, requests), requests,
-                                  args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
-    if not fresh:  # sampled after each run here, as each worker does in its own process
+    else:  # the engines run here: the model's weights, and the floor sampled after each run
+        floor = FloorSampler(load_weights(loaded).model, decode_batch(args.max_batch_size, len(requests)))
+        if mode == "streaming":
+            from common.bench import streaming
+            correctness = streaming.run_streaming_engines(specs, requests, args, after_run=floor)
+        else:
+            correctness = run_engines(specs, lambda s: run_offline_once(s, requests), requests,
+                                      args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
         fields = floor.fields()
         for spec in specs:
             spec.floor = fields

@@ -90,7 +90,7 @@ def run_ladder(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--stages: {exc}") from None
     notes: list[str] = []
     skipped: list[dict] = []
-    setup = prepare(args, notes)
+    setup = prepare(args, notes, weights=args.same_process)  # workers load their own
     loaded, requests, kw, num_blocks = setup.loaded, setup.requests, setup.kw, setup.num_blocks
     notes.append(f"KV pool of stages 03+: {num_blocks} blocks of 16 tokens "
                  f"({num_blocks * 16 * loaded.config.kv_bytes_per_token(loaded.dtype) / 2**20:,.1f} MiB)")

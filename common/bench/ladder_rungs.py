@@ -193,8 +193,9 @@ def parse_stages(text: str | None) -> list[int]:
     return wanted
 
 
-def prepare(args: argparse.Namespace, notes: list[str]) -> Setup:
-    """Load the model and build the workload; the parent and every worker do exactly this."""
+def prepare(args: argparse.Namespace, notes: list[str], weights: bool = True) -> Setup:
+    """Load the model and build the workload; the parent and every worker do exactly this
+    (the parent without the weights when every rung runs in a worker of its own)."""
     from common.loader import load_model
 
     if args.threads is None and args.model == "tiny":
@@ -204,7 +205,7 @@ def prepare(args: argparse.Namespace, notes: list[str]) -> Setup:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, weights=weights)
     max_len = int(loaded.config.max_position_embeddings)
     kw = workload_kwargs(args, max_len, notes)
     requests = build_workload(loaded.tokenizer, seed=args.seed, **kw)
