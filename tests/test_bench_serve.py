@@ -127,11 +127,12 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
         assert getattr(local, name) == getattr(remote, name), name
     assert served.no_prefix_cache and served.stream_interval == 1 and served.dtype == "float32"
     assert served.max_batch_size == served.prefill_max_batch_size == a.num_requests  # one burst, one prefill
-    assert served.max_queue_delay_ms == 200.0  # an idle worker waits for the whole burst
+    assert served.max_queue_delay_ms == 200.0 and served.queue_quiet_ms == 50.0  # an idle worker waits for the whole burst
     assert not local.pretok
     # At a rate (post 052's 50/s), requests are admitted as they come, as `stagewise serve` does.
     paced = serve_overhead.build_parser().parse_args(["--model", "tiny", "--request-rate", "50"])
-    assert server.parse_args(serve_overhead._engine_flags(paced) + ["--model", "tiny"]).max_queue_delay_ms == 0.0
+    served = server.parse_args(serve_overhead._engine_flags(paced) + ["--model", "tiny"])
+    assert served.max_queue_delay_ms == 0.0 and served.queue_quiet_ms is None  # no wait, so no quiet window
     for bad in ("0", "-5", "nan"):
         with pytest.raises(ValueError, match="--request-rate"):
             serve_overhead.main(["--model", "tiny", "--request-rate", bad])

@@ -220,3 +220,28 @@ def test_a_bad_flag_past_argparse_reads_as_argparse_does(argv, line, capsys) -> 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_quiet_window_without_a_queue_delay_is_refused_by_the_bench_and_serve(monkeypatch) -> None:
+    """It used to be taken and do nothing: the quiet window only ends the wait --max-queue-delay-ms starts."""
+    import argparse
+
+    from common.bench import flags
+    from common.serve import engine as serve_engine
+
+    message = "^--queue-quiet-ms: only with --max-queue-delay-ms > 0"
+    bench = flags.build_parser("bench")
+    with pytest.raises(ValueError, match=message):
+        flags.check_args(bench.parse_args(["--queue-quiet-ms", "20"]))
+    waits = bench.parse_args(["--queue-quiet-ms", "20", "--max-queue-delay-ms", "100"])
+    flags.check_args(waits)
+    assert flags.manager_knobs(waits)["queue_quiet_ms"] == 20.0
+    assert flags.manager_knobs(bench.parse_args([]))["queue_quiet_ms"] == flags.QUEUE_QUIET_MS  # not given
+    server = argparse.ArgumentParser()
+    serve_engine.add_serve_args(server)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("common.loader.load_model", no_model)
+    with pytest.raises(ValueError, match=message):
+        serve_engine.build_manager(server.parse_args(["--model", "tiny", "--queue-quiet-ms", "20"]))

@@ -41,7 +41,8 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     from common import stages as registry
-    from common.bench.flags import accepted, check_prefix_cache_flags, engine_knobs, knobs_not_taken, manager_knobs
+    from common.bench.flags import (accepted, check_manager_flags, check_prefix_cache_flags, engine_knobs,
+                                    knobs_not_taken, manager_knobs)
     from common.loader import load_model
 
     package = registry.resolve_stage(args.stage)  # an unknown stage: a ValueError
@@ -50,6 +51,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     except ValueError as exc:  # a stage without a manager: the server exits with why (engine_process.py too)
         raise SystemExit(f"serve: {exc}") from None
     check_prefix_cache_flags(args.no_prefix_cache, args.prefix_cache_max_entries)
+    check_manager_flags(args)
     ignored = knobs_not_taken(module, args)  # said at start-up, as the bench says it: a server runs so all its life
     if ignored:  # (a refusal would stop serve-overhead and serve-compare, whose flags suit every stage, on 04-06)
         print(f"stagewise serve: note: {registry.short_name(package)} takes no {', '.join(ignored)}: not applied",

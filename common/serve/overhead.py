@@ -92,11 +92,12 @@ def queue_delay_ms(a: argparse.Namespace) -> float:
 
 def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The server's knobs (both sides use its manager); the prefix cache off, so every run does the same work."""
+    delay = queue_delay_ms(a)
     flags = ["--device", a.device, "--max-batch-size", str(a.max_batch_size),
              "--prefill-max-batch-size", str(a.prefill_max_batch_size), "--no-prefix-cache", "--stream-interval", "1",
-             "--max-queue-delay-ms", str(queue_delay_ms(a)), "--queue-quiet-ms", str(a.queue_quiet_ms),
-             "--worker-priority", a.worker_priority]
-    return flags + (["--dtype", a.dtype] if a.dtype else [])
+             "--max-queue-delay-ms", str(delay), "--worker-priority", a.worker_priority]
+    quiet = ["--queue-quiet-ms", str(a.queue_quiet_ms)] if delay else []  # a quiet window only ends a wait
+    return flags + quiet + (["--dtype", a.dtype] if a.dtype else [])
 
 
 def record_token_timestamps(manager: Any) -> None:
