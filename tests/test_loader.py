@@ -209,7 +209,8 @@ def test_a_fresh_process_loads_a_model_without_torch_dynamo_or_the_tokenizer_reg
         import sys
         from common.config import ModelConfig
         from common.loader import load_tokenizer, model_dir
-        from common.model import DecoderModel, read_safetensors
+        from common.checkpoint import read_safetensors
+        from common.model import DecoderModel
         path = model_dir("tiny")
         load_tokenizer(path), ModelConfig.from_pretrained(path)
         before = set(sys.modules)

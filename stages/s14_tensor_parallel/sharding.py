@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from common.checkpoint import safetensors_files
 from common.config import ModelConfig
-from common.model import DecoderModel, safetensors_files
+from common.model import DecoderModel
 
 if TYPE_CHECKING:
     from .parallel import TensorParallel
