@@ -434,7 +434,8 @@ def test_other_choices_typed_over_the_defaults_and_workload_flags_checked_by_nam
     refused by flag before the model loads."""
     import importlib
 
-    from common.bench.flags import accepted, check_args, engine_knobs, knobs_not_taken, parse_bench_args
+    from common.bench.flags import check_args, parse_bench_args
+    from common.bench.knobs import accepted, engine_knobs, knobs_not_taken
 
     s09, s10, s13 = (importlib.import_module(f"stages.{name}") for name in
                      ("s09_batched_worker_lookups", "s10_block_prefix_cache", "s13_preemption"))
@@ -572,7 +573,8 @@ def test_hf_baseline_matches_hf_generate_one_at_a_time(tiny, hf_tiny):
 def test_enforce_eager_is_three_way_and_reaches_the_engine_only_when_given() -> None:
     """Unset: the engine picks (graphs on CUDA, eager on a CPU); --enforce-eager and
     --no-enforce-eager reach stage 12+ engines as True and False."""
-    from common.bench.flags import accepted, build_parser, engine_knobs
+    from common.bench.flags import build_parser
+    from common.bench.knobs import accepted, engine_knobs
     from stages import s12_cuda_graphs as s12
 
     parser = build_parser("test")

@@ -226,7 +226,7 @@ def test_a_quiet_window_without_a_queue_delay_is_refused_by_the_bench_and_serve(
     """It used to be taken and do nothing: the quiet window only ends the wait --max-queue-delay-ms starts."""
     import argparse
 
-    from common.bench import flags
+    from common.bench import flags, knobs
     from common.serve import engine as serve_engine
 
     message = "^--queue-quiet-ms: only with --max-queue-delay-ms > 0"
@@ -235,8 +235,8 @@ def test_a_quiet_window_without_a_queue_delay_is_refused_by_the_bench_and_serve(
         flags.check_args(bench.parse_args(["--queue-quiet-ms", "20"]))
     waits = bench.parse_args(["--queue-quiet-ms", "20", "--max-queue-delay-ms", "100"])
     flags.check_args(waits)
-    assert flags.manager_knobs(waits)["queue_quiet_ms"] == 20.0
-    assert flags.manager_knobs(bench.parse_args([]))["queue_quiet_ms"] == flags.QUEUE_QUIET_MS  # not given
+    assert knobs.manager_knobs(waits)["queue_quiet_ms"] == 20.0
+    assert knobs.manager_knobs(bench.parse_args([]))["queue_quiet_ms"] == knobs.QUEUE_QUIET_MS  # not given
     server = argparse.ArgumentParser()
     serve_engine.add_serve_args(server)
 

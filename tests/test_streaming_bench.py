@@ -344,7 +344,7 @@ def test_late_requests_are_submitted_no_earlier_than_planned_and_in_planned_orde
 
 def test_a_stages_manager_gets_the_late_long_prompts_late(tiny):
     from common import stages as registry
-    from common.bench.flags import accepted
+    from common.bench.knobs import accepted
     from common.bench.workloads import build_workload
 
     module = registry.load_stage(registry.newest_available_stage())

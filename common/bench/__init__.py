@@ -6,7 +6,8 @@ those above it in this list, and the engine's parts in `common/`):
 
 - `envinfo`, `metrics`, `report`, `floor`, `workloads`: where a result ran, the posts' metrics,
   the printed report, the matmul floor, the requests every engine gets;
-- `flags`: the benches' flags, one definition for the benches, the ladder and the server;
+- `knobs`, `flags`: the engines' knobs and the benches' flags, one definition for the benches, the
+  ladder and the server;
 - `results`: a result written as JSON with its command and environment;
 - `engines`, `streaming`: the engines of a comparison and how each is run, offline or through
   a `SchedulerManager`; `hf_baseline` and `hf_continuous`, transformers' two as engines;

@@ -18,7 +18,8 @@ from types import ModuleType
 from typing import Any, Callable
 
 from common import stages as registry
-from common.bench.flags import accepted, describe_workload, engine_knobs, knobs_not_taken
+from common.bench.flags import describe_workload
+from common.bench.knobs import accepted, engine_knobs, knobs_not_taken
 from common.bench.floor import with_x_floor
 from common.bench.metrics import median_summary, summarize
 from common.bench.workloads import fresh_copies

@@ -1,13 +1,9 @@
 """The benchmark's flags, in one place: the stage benches and their worker processes, the
 ladder, `stagewise bench-serve`, `serve` and `serve-overhead` all read them from here, so one
-workload flag or engine knob means the same thing everywhere.
+workload flag means the same thing everywhere (the engines' and managers' knobs: `knobs.py`).
 
 - `WORKLOAD_FLAGS` and `workload_from_args`: the workload (`common.bench.workloads`) from the flags;
-- `add_engine_knob_args`, `engine_knobs` and `accepted`: the stages' engine knobs, each passed
-  only to a constructor that takes it, and `knobs_not_taken`: those a stage's bench notes and
-  `serve` names at start-up;
-- `add_streaming_args`, `add_manager_args` and `manager_knobs`: how requests are submitted, and
-  the `SchedulerManager`'s own knobs (the streaming bench and `stagewise serve`);
+- `add_streaming_args`: how requests are submitted, with the `SchedulerManager`'s knobs;
 - `build_parser` and `parse_bench_args`: a stage bench's flags, with its `BENCH` (or a
   `--preset`) as defaults, a choice typed in place of the defaults' own (a kind of prompt, a
   prefix cache size, a KV pool size), and `check_args`; `offline_unused`: the streaming flags an
@@ -17,13 +13,13 @@ workload flag or engine knob means the same thing everywhere.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
+from common.bench.knobs import (add_engine_knob_args, add_manager_args, check_manager_flags,
+                                check_prefix_cache_flags)
 from common.bench.workloads import build_workload
 from common.commands import add_model_args
 
@@ -59,14 +55,6 @@ def output_dir(text: str) -> str:
     _check_writable(Path(text), want_dir=True)
     return text
 
-
-ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
-                "prefix_cache_max_entries", "prefill_max_batch_size", "max_num_batched_tokens",
-                "max_cudagraph_capture_size", "tensor_parallel_size")
-# Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
-# block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
-PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
-QUEUE_QUIET_MS = 5.0  # the managers' own default quiet window (given alone, --queue-quiet-ms is refused)
 
 # Named workloads (`--preset NAME`): a preset takes the place of the stage's own BENCH (a flag it
 # does not set keeps the bench's plain default, not the stage's); typed flags still override.
@@ -119,34 +107,6 @@ WORKLOAD_FLAGS: list[tuple[str, dict]] = [
 ]
 
 
-def add_enforce_eager_arg(g: argparse._ActionsContainer) -> None:
-    """Three ways, as the engines of stages 12+ take it: unset (None: graphs on CUDA, eager on a
-    CPU), --enforce-eager (True) or --no-enforce-eager (False: the padded path on a CPU too)."""
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="stage 12+: no CUDA graphs, every step eager (vLLM's flag; the default on a CPU). "
-                        "--no-enforce-eager runs the graphs' padded path on a CPU too")
-
-
-def add_engine_knob_args(g: argparse._ArgumentGroup) -> None:
-    """The stages' engine knobs as flags (the benches and `stagewise serve`); `engine_knobs`
-    reads them back, and each is passed only to stages whose constructor takes it."""
-    g.add_argument("--max-batch-size", type=int, default=8)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--kv-cache-max-concurrency", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--prefix-cache-max-entries", type=int, default=None)
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefix_cache_max_entries=0 (stages 05-09; a stage's BENCH or a preset saying so gives "
-                        "way to a typed --prefix-cache-max-entries), enable_prefix_caching=False (10+)")
-    g.add_argument("--prefill-max-batch-size", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="stage 11+: tokens per step (chunked prefill)")
-    add_enforce_eager_arg(g)
-    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                   help="stage 12+: the largest decode batch captured as a CUDA graph (default: the max batch size, at most 512, as vLLM)")
-    g.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="stage 14: ranks the model is split across, started by the engine (default 1)")
-
-
 def add_streaming_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("streaming (stages with a SchedulerManager)")
     g.add_argument("--pretok", action="store_true", help="submit prompt_token_ids (tokenize before submitting)")
@@ -156,24 +116,6 @@ def add_streaming_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--submit-interval-ms", type=float, default=0.0, help="time between submissions")
     g.add_argument("--submit-schedule", choices=["absolute", "relative"], default="absolute")
     g.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on a run after this long")
-
-
-def add_manager_args(g: argparse._ArgumentGroup) -> None:
-    """The SchedulerManager's own knobs as flags (the benches and `stagewise serve`); see `manager_knobs`."""
-    g.add_argument("--tokenize-workers", type=int, default=0, help="manager tokenizer threads (0 = add_request's caller tokenizes)")
-    g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
-    g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
-                   help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")
-    g.add_argument("--queue-quiet-ms", type=float, default=None,
-                   help=f"with --max-queue-delay-ms: admit once no request has arrived for this long "
-                        f"(default {QUEUE_QUIET_MS:g})")
-
-
-def check_manager_flags(args: argparse.Namespace) -> None:
-    """A quiet window belongs to the queue delay: given alone, it would change nothing, silently."""
-    if args.queue_quiet_ms is not None and not args.max_queue_delay_ms:
-        raise ValueError("--queue-quiet-ms: only with --max-queue-delay-ms > 0 (the quiet window ends the "
-                         "wait that flag starts; without it there is no wait)")
 
 
 # What only a streaming run reads (its SchedulerManager, its submitter, its stream): an offline
@@ -187,18 +129,6 @@ def offline_unused(args: argparse.Namespace) -> list[str]:
     or the preset): an offline run leaves them unused, and its report says so."""
     plain = build_parser("bench")
     return ["--" + k.replace("_", "-") for k in STREAMING_FLAGS if getattr(args, k) != plain.get_default(k)]
-
-
-def manager_knobs(args: argparse.Namespace) -> dict:
-    """SchedulerManager keyword arguments from the flags; pass them through `accepted`, since
-    earlier stages' managers take fewer."""
-    return {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
-            "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
-            "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": queue_quiet_ms(args)}
-
-
-def queue_quiet_ms(args: argparse.Namespace) -> float:
-    return QUEUE_QUIET_MS if args.queue_quiet_ms is None else args.queue_quiet_ms
 
 
 def build_parser(prog: str, defaults: dict | None = None) -> argparse.ArgumentParser:
@@ -287,13 +217,6 @@ def typed_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))
-
-
-def check_prefix_cache_flags(no_prefix_cache: bool, max_entries: int | None) -> None:
-    """--no-prefix-cache and a cache size, both asked for: one would be dropped unseen (a stage
-    bench checks what was typed, `stagewise serve`, which has no BENCH, what it was given)."""
-    if no_prefix_cache and max_entries:
-        raise ValueError("--prefix-cache-max-entries: cannot go with --no-prefix-cache; choose one")
 
 
 def check_prompt_kind(chat: bool, lengths: bool, shared_prefix: bool, text: bool = False) -> None:
@@ -398,38 +321,3 @@ def describe_workload(args: argparse.Namespace) -> str:
     return text
 
 
-def accepted(callable_: Any, knobs: dict) -> dict:
-    """The knobs (not None) that `callable_` names in its signature: `--block-size` reaches
-    stage 03+ and is simply not offered to stage 02, whose constructor has no such parameter."""
-    try:
-        params = inspect.signature(callable_).parameters
-    except (TypeError, ValueError):
-        return {}
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {k: v for k, v in knobs.items() if v is not None and k in params and params[k].kind in kinds}
-
-
-def knobs_not_taken(module: ModuleType, args: argparse.Namespace) -> list[str]:
-    """The engine knobs set that neither the stage's engine nor its SchedulerManager takes (the
-    manager takes prefill_max_batch_size, say). `--no-prefix-cache` reached the stage if it took
-    either of its two knobs; where it took neither, it is named once."""
-    knobs = engine_knobs(args)
-    taken = accepted(module.InferenceEngine, knobs)
-    ignored = sorted(k for k, v in knobs.items() if v is not None and k not in taken)
-    manager = getattr(module, "SchedulerManager", None)
-    if manager is not None:
-        ignored = [k for k in ignored if k not in accepted(manager, knobs)]
-    took_cache_knob = any(k in taken for k in PREFIX_CACHE_KNOBS)
-    explicit = {"prefix_cache_max_entries"} if args.prefix_cache_max_entries is not None else set()
-    return [k for k in ignored if k not in PREFIX_CACHE_KNOBS or k in explicit
-            or (not took_cache_knob and k == "prefix_cache_max_entries")]
-
-
-def engine_knobs(args: argparse.Namespace) -> dict:
-    knobs = {k: getattr(args, k) for k in ENGINE_KNOBS}
-    knobs["enforce_eager"] = getattr(args, "enforce_eager", None)  # offered only when asked for, either way
-    if args.no_prefix_cache:  # a size given too (over a BENCH's or preset's "off") wins where the cache has one
-        if knobs["prefix_cache_max_entries"] is None:
-            knobs["prefix_cache_max_entries"] = 0
-        knobs["enable_prefix_caching"] = False
-    return knobs

@@ -18,7 +18,8 @@ import torch
 
 from common import stages as registry
 from common.bench.engines import wall_seconds
-from common.bench.flags import accepted, output_dir
+from common.bench.flags import output_dir
+from common.bench.knobs import accepted
 from common.bench.ladder_workloads import DEFAULT_MAX_BATCH_SIZE, WORKLOADS, auto_kv_blocks, workload_kwargs
 from common.bench.metrics import summarize
 from common.bench.workloads import build_workload, fresh_copies

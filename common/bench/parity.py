@@ -100,7 +100,7 @@ def compare(outputs: list[list[int]], reference: list[list[int]], prompts: list[
 
 def measure(a: argparse.Namespace) -> dict:
     from common import stages as registry
-    from common.bench.flags import accepted
+    from common.bench.knobs import accepted
     from common.bench.hf_baseline import HFGenerateEngine
     from common.loader import load_model
     from common.requests import Request, SamplingParams

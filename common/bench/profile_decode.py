@@ -54,7 +54,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import common.bench.envinfo  # noqa: F401  at start: its GIT_AT_START is the code this run measures
-from common.bench.flags import add_enforce_eager_arg, output_file
+from common.bench.flags import output_file
+from common.bench.knobs import add_enforce_eager_arg
 from common.bench.profiling import (GRAPH_KERNELS, graph_replays, group_fields, has_knob, kernel_fields, op_table,
                                     report_lines, result_head, stage_class, stage_engine)
 from common.bench.report import dtype_lines, unpacked_rows_lines

@@ -82,7 +82,7 @@ def stage_class(a: argparse.Namespace) -> tuple[str, Any, ModelConfig]:
 
 def stage_engine(a: argparse.Namespace, engine_class: Any, knobs: dict) -> tuple[Any, Any]:
     """(loaded model, the stage's offline InferenceEngine, from `stage_class`, with those of `knobs` it takes)."""
-    from common.bench.flags import accepted
+    from common.bench.knobs import accepted
     from common.loader import load_model
 
     loaded = load_model(a.model, device=a.device, dtype=a.dtype)

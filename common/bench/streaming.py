@@ -20,7 +20,8 @@ import time
 from typing import Any, Callable
 
 from common.bench.engines import EngineSpec, dtype_line, knob_header, run_engines
-from common.bench.flags import accepted, describe_workload, manager_knobs, queue_quiet_ms
+from common.bench.flags import describe_workload
+from common.bench.knobs import accepted, manager_knobs, queue_quiet_ms
 from common.bench.metrics import percentiles, summarize
 
 

@@ -41,7 +41,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     from common import stages as registry
-    from common.bench.flags import (accepted, check_manager_flags, check_prefix_cache_flags, engine_knobs,
+    from common.bench.knobs import (accepted, check_manager_flags, check_prefix_cache_flags, engine_knobs,
                                     knobs_not_taken, manager_knobs)
     from common.loader import load_model
 
@@ -91,7 +91,7 @@ def host_address(text: str) -> str:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from common import stages as registry
-    from common.bench.flags import add_engine_knob_args, add_manager_args
+    from common.bench.knobs import add_engine_knob_args, add_manager_args
 
     p.add_argument("--stage", default=str(max(registry.STAGES)), help=f"stage 4-{max(registry.STAGES)}: those with a SchedulerManager (default: newest)")
     add_model_args(p)
