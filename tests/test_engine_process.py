@@ -19,7 +19,9 @@ import openai
 import pytest
 
 from common.serve import engine as serve_engine
+from common.requests import ContextLengthExceeded
 from common.serve.engine_process import EngineProcess, kv_blocks
+from common.tokenizer import LONG_TEXT, encode
 from common.serve.app import ServeState
 from conftest import TEST_DEVICE
 from tests.live_server import ServerThread, in_process_texts, scrape, slow_down, wait_for as _wait
@@ -57,9 +59,23 @@ def test_streams_results_and_errors_are_the_managers() -> None:
             engine.add_request("Hi", no_such_knob=1).result(timeout=30)
         with pytest.raises(RuntimeError, match="AttributeError"):  # a call's error comes back as well
             engine.call(getattr, "no_such_attribute").result(timeout=30)
+        # A long text is tokenized on this side, so the engine's main thread never encodes megabytes
+        # while other requests wait behind it; the engine sees its ids (and keeps the last that fit, as it
+        # does a text's), or refuses them as it would the text.
+        sent: list[tuple] = []
+        send = engine._send
+        engine._send = lambda message: (sent.append(message), send(message))[1]
+        long_text = "Hello " * (LONG_TEXT // 6 + 1)
+        ids = encode(engine.engine.tokenizer, long_text)
+        window = engine.engine.max_model_len
+        assert engine.add_request(long_text, max_new_tokens=2).result(timeout=60).prompt_token_ids == ids[-window:]
+        with pytest.raises(ContextLengthExceeded, match="^prompt"):
+            engine.add_request(long_text, max_new_tokens=2, truncate_prompt=False).result(timeout=60)
+        assert [m[2:4] for m in sent] == [(long_text, ids)] * 2
+        assert engine.add_request("Hi", max_new_tokens=2).result(timeout=30).token_ids
+        assert sent[2][2:4] == ("Hi", None)  # a short text goes as it is: the engine tokenizes it, as in-process
         pool = engine.call(kv_blocks).result(timeout=30)
         assert pool["free"] == pool["total"] > 0
-        assert engine.add_request("Hi", max_new_tokens=2).result(timeout=30).token_ids
     with pytest.raises(RuntimeError, match="closed"):
         engine.add_request("Hi")
     with pytest.raises(ProcessLookupError):  # it exited and was reaped

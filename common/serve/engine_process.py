@@ -17,7 +17,8 @@ background process, ZMQ between them).
 
 The parent hands out the same `RequestHandle`s a SchedulerManager does (common/streams.py),
 filled by its reader thread, so the server code is the same over either. Detokenizing stays
-where it is, in the engine's worker. If the engine process dies, every open request ends with
+where it is, in the engine's worker; a prompt too long to tokenize in passing is tokenized on the
+server's side (in the thread the server hands it to) and sent as ids. If the engine process dies, every open request ends with
 an error and new ones are refused: nothing is left hanging.
 
 Measured on the 2-core CPU (`stagewise serve-overhead --engine-process`, docs/results/questions/serve-reruns/),
@@ -41,6 +42,7 @@ from typing import Any, Callable
 
 from common.requests import ContextLengthExceeded, SamplingParams
 from common.streams import ChunkQueue, Done, Failed, RequestHandle
+from common.tokenizer import LONG_TEXT, encode
 
 START_TIMEOUT_S = 900.0  # loading (a first run converts SmolLM2's GGUF) can take minutes
 FLUSH_GRACE_S = 0.002  # how long puts made outside a step may wait to be sent (Outbox)
@@ -137,7 +139,12 @@ class EngineProcess:
             self._queues[rid] = out
         try:
             params = SamplingParams.of(params, sampling)
-        except Exception as exc:  # an unknown sampling keyword: this request's error, as in-process
+            if prompt_token_ids is None and isinstance(prompt, str) and len(prompt) > LONG_TEXT:
+                # Tokenized here, in the caller's thread (the server hands a long prompt to one), as
+                # vLLM's API server tokenizes before its engine sees a request: sent as text, it would
+                # hold the engine's main thread, and every other request's "add" and "cancel" behind it.
+                prompt_token_ids = encode(self.engine.tokenizer, prompt)
+        except Exception as exc:  # an unknown sampling keyword, a bad prompt: this request's error, as in-process
             self._end(rid, Failed(exc))
             return handle
         self._send(("add", rid, prompt, prompt_token_ids, params))
