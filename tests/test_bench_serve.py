@@ -132,7 +132,7 @@ def test_serve_overhead_sides_take_the_same_flags() -> None:
     # At a rate (post 052's 50/s), requests are admitted as they come, as `stagewise serve` does.
     paced = serve_overhead.build_parser().parse_args(["--model", "tiny", "--request-rate", "50"])
     served = server.parse_args(serve_overhead._engine_flags(paced) + ["--model", "tiny"])
-    assert served.max_queue_delay_ms == 0.0 and served.queue_quiet_ms is None  # no wait, so no quiet window
+    assert served.max_queue_delay_ms == 0.0 and served.queue_quiet_ms == 5.0  # no wait: its window not passed
     for bad in ("0", "-5", "nan"):
         with pytest.raises(ValueError, match="--request-rate"):
             serve_overhead.main(["--model", "tiny", "--request-rate", bad])

@@ -227,7 +227,7 @@ def test_a_quiet_window_without_a_queue_delay_is_refused_by_the_bench_and_serve(
     import argparse
 
     from common.bench import flags, knobs
-    from common.serve import engine as serve_engine
+    from common.serve import engine as serve_engine, overhead as serve_overhead, server as serve_server
 
     message = "^--queue-quiet-ms: only with --max-queue-delay-ms > 0"
     bench = flags.build_parser("bench")
@@ -243,5 +243,13 @@ def test_a_quiet_window_without_a_queue_delay_is_refused_by_the_bench_and_serve(
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr("common.loader.load_model", no_model)
+    monkeypatch.setattr(serve_overhead, "run_paired", no_model)
     with pytest.raises(ValueError, match=message):
         serve_engine.build_manager(server.parse_args(["--model", "tiny", "--queue-quiet-ms", "20"]))
+    monkeypatch.setattr("common.serve.engine_process.EngineProcess", no_model)
+    with pytest.raises(ValueError, match=message):  # before the engine's process starts, not in it
+        serve_server.start_engine(server.parse_args(["--model", "tiny", "--engine-process", "--queue-quiet-ms", "20"]))
+    # The default, which every command rebuilt from a committed result spells, is no error.
+    flags.check_args(bench.parse_args(["--queue-quiet-ms", "5", "--max-queue-delay-ms", "0"]))
+    with pytest.raises(ValueError, match="^--queue-quiet-ms: only with a queue delay"):  # at a rate: no wait
+        serve_overhead.main(["--model", "tiny", "--request-rate", "50", "--queue-quiet-ms", "20"])

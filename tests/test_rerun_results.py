@@ -156,5 +156,6 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
         assert words[:2] == ["python", "-m"] and words[2].endswith(".bench"), path.name
         args = flags.parse_bench_args(importlib.import_module(words[2].rsplit(".", 1)[0]), words[3:])
         assert {k: getattr(args, k, "missing") for k in data["config"]} == data["config"], path.name
+        flags.check_args(args)  # and the bench takes it: a reader who copies it gets a run, not an error
         checked += 1
     assert checked >= 10

@@ -23,7 +23,7 @@ ENGINE_KNOBS = ("block_size", "kv_cache_max_concurrency", "num_kv_blocks",
 # Two stages' ways to switch the prefix cache: stages 05-09 count whole-prompt entries, the
 # block-level cache of stage 10+ is on or off (vLLM's name). `--no-prefix-cache` sets both.
 PREFIX_CACHE_KNOBS = ("prefix_cache_max_entries", "enable_prefix_caching")
-QUEUE_QUIET_MS = 5.0  # the managers' own default quiet window (given alone, --queue-quiet-ms is refused)
+QUEUE_QUIET_MS = 5.0  # the managers' default quiet window (another, without a queue delay, is refused)
 
 
 def add_enforce_eager_arg(g: argparse._ActionsContainer) -> None:
@@ -60,14 +60,14 @@ def add_manager_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--stream-interval", type=int, default=1, help="flush the stream every N tokens")
     g.add_argument("--max-queue-delay-ms", type=float, default=0.0,
                    help="idle manager: wait up to this long for the rest of a burst before prefilling (0: off)")
-    g.add_argument("--queue-quiet-ms", type=float, default=None,
-                   help=f"with --max-queue-delay-ms: admit once no request has arrived for this long "
-                        f"(default {QUEUE_QUIET_MS:g})")
+    g.add_argument("--queue-quiet-ms", type=float, default=QUEUE_QUIET_MS,
+                   help="with --max-queue-delay-ms: admit once no request has arrived for this long")
 
 
 def check_manager_flags(args: argparse.Namespace) -> None:
-    """A quiet window belongs to the queue delay: given alone, it would change nothing, silently."""
-    if args.queue_quiet_ms is not None and not args.max_queue_delay_ms:
+    """A quiet window belongs to the queue delay: given alone, it would change nothing, silently.
+    (Its default is spelled in every command rebuilt from a result: only another value is refused.)"""
+    if args.queue_quiet_ms != QUEUE_QUIET_MS and not args.max_queue_delay_ms:
         raise ValueError("--queue-quiet-ms: only with --max-queue-delay-ms > 0 (the quiet window ends the "
                          "wait that flag starts; without it there is no wait)")
 
@@ -77,11 +77,8 @@ def manager_knobs(args: argparse.Namespace) -> dict:
     earlier stages' managers take fewer."""
     return {"max_batch_size": args.max_batch_size, "stream_interval": args.stream_interval,
             "tokenize_workers": args.tokenize_workers, "prefill_max_batch_size": args.prefill_max_batch_size,
-            "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": queue_quiet_ms(args)}
+            "max_queue_delay_ms": args.max_queue_delay_ms, "queue_quiet_ms": args.queue_quiet_ms}
 
-
-def queue_quiet_ms(args: argparse.Namespace) -> float:
-    return QUEUE_QUIET_MS if args.queue_quiet_ms is None else args.queue_quiet_ms
 
 
 def check_prefix_cache_flags(no_prefix_cache: bool, max_entries: int | None) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from common.bench.engines import EngineSpec, dtype_line, knob_header, run_engines
 from common.bench.flags import describe_workload
-from common.bench.knobs import accepted, manager_knobs, queue_quiet_ms
+from common.bench.knobs import accepted, manager_knobs
 from common.bench.metrics import percentiles, summarize
 
 
@@ -197,7 +197,7 @@ def streaming_header(args: argparse.Namespace, loaded, spec: EngineSpec) -> dict
     if manager_takes_prefill:
         header["Prefill max batch size"] = args.prefill_max_batch_size or args.max_batch_size
     if args.max_queue_delay_ms and accepted(spec.module.SchedulerManager, {"max_queue_delay_ms": 0}):
-        header["Max queue delay"] = f"{args.max_queue_delay_ms:g} ms (quiet {queue_quiet_ms(args):g} ms)"
+        header["Max queue delay"] = f"{args.max_queue_delay_ms:g} ms (quiet {args.queue_quiet_ms:g} ms)"
     header.update(knob_header(spec, str(loaded.device)))
     header["Repeats"] = f"{args.repeat_runs} (+{args.warmup_runs} warmup), medians"
     return header

@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     from common.serve.bench import check_run_args
     check_run_args(a)  # the workload bench-serve will get (runs, size, rate), before the model loads
     a.max_queue_delay_ms = queue_delay_ms(a)  # the JSON's config records the wait used
+    if not a.max_queue_delay_ms and a.queue_quiet_ms != build_parser().get_default("queue_quiet_ms"):
+        raise ValueError("--queue-quiet-ms: only with a queue delay (a burst's, or --max-queue-delay-ms > 0); "
+                         "at a rate there is none")
     burst = _is_burst(a)
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-overhead-") as tmp:
         http, local, pairs, meta = run_paired(a, Path(tmp))

@@ -42,7 +42,11 @@ def start_engine(args: argparse.Namespace) -> tuple[Any, str]:
     """The manager the server talks to: built here, or in a process of its own (`--engine-process`).
     Both hand out the same RequestHandles, so the server cannot tell them apart."""
     if args.engine_process:
+        from common.bench.knobs import check_manager_flags, check_prefix_cache_flags
         from common.serve.engine_process import EngineProcess
+        # build_manager checks these too, but in the engine's process: a traceback there, after a Python started.
+        check_prefix_cache_flags(args.no_prefix_cache, args.prefix_cache_max_entries)
+        check_manager_flags(args)
         engine = EngineProcess(args)
         return engine, engine.engine.stage
     return build_manager(args)
