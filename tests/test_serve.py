@@ -109,6 +109,15 @@ def test_chat_whole_and_streamed(live, loaded) -> None:
     assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] <= 3
     clash = httpx.post(live.url + "/v1/chat/completions", json={**body, "max_tokens": 3}, timeout=30)
     assert clash.status_code == 400 and clash.json()["error"]["param"] == "max_completion_tokens"
+    # A conversation replayed from OpenAI's own answers: the assistant message's empty fields are no
+    # tool content, and an empty tools list is no tools.
+    replayed = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello", "tool_calls": None, "function_call": None,
+                 "refusal": None, "audio": None, "annotations": []},
+                {"role": "user", "content": "Again"}]
+    resp = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                      json={"messages": replayed, "max_tokens": 2, "temperature": 0, "tools": []})
+    assert resp.status_code == 200, resp.text
 
 
 def test_32_concurrent_streaming_clients(live) -> None:
@@ -292,6 +301,11 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', 400,
      "messages[0].\\udfff"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 0}, 400, "logprobs"),  # the sampled tokens'
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": []}, 400, "n"),  # [] is off only for a list field
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "presence_penalty": {}}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "echo": []}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2.5]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": -1}, 400, "temperature"),
@@ -313,6 +327,10 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
      400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 0},
+     400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "assistant", "content": "x",
+                                                             "tool_calls": [{"id": "1"}]}]}, 400, "messages[0].tool_calls"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
@@ -368,6 +386,10 @@ def test_a_client_gone_before_its_body_arrived_is_no_error(live, caplog) -> None
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\": ")
+    for path in ("/tokenize", "/detokenize"):  # the routes that read the body through Starlette
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as conn:
+            conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                         + b"Content-Length: 100\r\n\r\n{\"prompt\": ")
     assert live.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
@@ -653,3 +675,12 @@ def test_event_stream_closes_its_events_when_the_client_leaves_during_a_send() -
         return bool(closed)
 
     assert asyncio.run(main())
+
+
+def test_a_malformed_token_id_prompt_is_not_called_a_batch() -> None:
+    from common.serve.protocol import APIError, parse_completion
+
+    for prompt, says in (([1, 2.5], "must be a string or a list of token ids"), ([1, "a"], "must be a string"),
+                         (["a", "b"], "batches of prompts are not supported"), ([[1], [2]], "batches")):
+        with pytest.raises(APIError, match=f"^prompt: {says}"):
+            parse_completion({"model": "tiny", "prompt": prompt}, 100, 16)

@@ -4,6 +4,7 @@ SDK raises as AuthenticationError. `/health` and `/metrics` stay open for probes
 from __future__ import annotations
 
 import argparse
+import types
 
 import httpx
 import openai
@@ -68,3 +69,9 @@ def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("STAGEWISE_API_KEY", "from-env")
     assert parse().api_key == "from-env"
     assert parse("--api-key", "from-flag").api_key == "from-flag"
+    # An empty key is none, as vLLM reads it and as our own clients send it (no header): with
+    # `STAGEWISE_API_KEY=` set, every request used to be a 401, bench-serve's too.
+    from common.serve.generation import ServeState
+    manager = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=[0] * 8, max_model_len=16))
+    assert ServeState(manager, "tiny", "s09", api_key="").bearer is None
+    assert ServeState(manager, "tiny", "s09", api_key="k").bearer == b"Bearer k"

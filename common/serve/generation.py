@@ -41,8 +41,9 @@ class ServeState:
         self.manager = manager
         self.model_name = model_name
         self.stage = stage
-        # `Authorization: Bearer <api_key>` on every /v1/ path when set (vLLM's --api-key)
-        self.bearer = None if api_key is None else b"Bearer " + api_key.encode()
+        # `Authorization: Bearer <api_key>` on every /v1/ path when set (vLLM's --api-key); an empty
+        # key is none, as vLLM reads it (and as our clients send it: no header)
+        self.bearer = b"Bearer " + api_key.encode() if api_key else None
         self.tokenizer = manager.engine.tokenizer
         self.max_model_len = int(manager.engine.max_model_len)
         self.vocab_size = len(self.tokenizer)  # token-id prompts are checked against it

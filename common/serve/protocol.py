@@ -28,8 +28,8 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 # Accepted only at the value that means "off"; anything else would change the answer in a way we cannot.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "tools": (None,), "functions": (None,),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, False, True), "logit_bias": (None, {}),
 }
@@ -116,8 +116,10 @@ def check_fields(body: dict, allowed: set[str]) -> None:
 
 
 def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
-    """None, [] / {}, or one of `off` of the same kind (False is not 0; 0.0 is 0)."""
-    if value is None or (isinstance(value, (list, dict)) and not value):
+    """None, or one of `off` of the same kind (False is not 0; 0.0 is 0; [] is off only for a
+    field whose type is a list, so `n: []` is refused as OpenAI refuses it). `logprobs: 0` is not
+    off: on /v1/completions it asks for the sampled tokens' logprobs."""
+    if value is None:
         return True
     for v in off:
         if isinstance(value, bool) or isinstance(v, bool):
@@ -126,7 +128,7 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
         elif _is_real(value) and _is_real(v):
             if value == v:
                 return True
-        elif isinstance(value, str) and value == v:
+        elif type(value) is type(v) and value == v:  # a string, [] or {}
             return True
     return False
 
@@ -235,7 +237,7 @@ def parse_completion(body: dict, vocab_size: int, default_max_tokens: int = 16) 
         if bad is not None:
             raise bad_request("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         ids = [int(t) for t in prompt]
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request("prompt", "batches of prompts are not supported: send one request per prompt")
     else:
         raise bad_request("prompt", f"must be a string or a list of token ids, got {prompt!r:.80}")
@@ -254,7 +256,9 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise bad_request(where, f"needs a role in {list(_ROLES)}, got {m!r:.80}")
-        extra = set(m) - {"role", "content", "name"}
+        # What OpenAI's own answers carry (`tool_calls: null`, `refusal: null`, `annotations: []`)
+        # comes back when a client replays a conversation: absent in effect, so ignored.
+        extra = {k for k, v in m.items() if v is not None and v != []} - {"role", "content", "name"}
         if extra:
             raise bad_request(f"{where}.{sorted(extra)[0]}", "not supported (text messages only)")
         content = m.get("content")

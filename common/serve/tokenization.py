@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from common.serve.protocol import bad_request, chat_prompt, check_fields, check_model, model_field, parse_json
 from common.tokenizer import LONG_TEXT, encode
@@ -66,7 +67,10 @@ def add_tokenize_routes(app: FastAPI, state: Any, json_response: Any) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer (as the generation routes)
+            return Response(status_code=204)
         body, args = parse_json(raw), (state.tokenizer, state.model_name, state.max_model_len)
         if len(raw) > LONG_TEXT:  # long to tokenize: in a thread, so the event loop serves the others meanwhile
             return json_response(await asyncio.get_running_loop().run_in_executor(None, tokenize, body, *args))
@@ -74,4 +78,8 @@ def add_tokenize_routes(app: FastAPI, state: Any, json_response: Any) -> None:
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        return json_response(detokenize(parse_json(await request.body()), state.tokenizer, state.model_name))
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=204)
+        return json_response(detokenize(parse_json(raw), state.tokenizer, state.model_name))
