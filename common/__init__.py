@@ -1,11 +1,12 @@
 """stagewise.common — everything that never changes between stages.
 
-The model, the tokenizer helpers, sampling, the request types, metrics and the
-benchmark harness. Stages import from here; nothing here imports a stage except
+The engine's parts at its root (the model, the loader, the tokenizer helpers, sampling,
+the request types), the measuring kit in `common.bench` and the HTTP layer in
+`common.serve`. Stages import from here; nothing here imports a stage except
 `common.stages`, which loads them by name for benchmarks that compare two stages.
 
-Names are re-exported lazily (PEP 562) so that `import common` stays cheap and a
-script that only needs metrics does not pay for importing transformers.
+The root's public names are re-exported lazily (PEP 562) so that `import common` stays
+cheap and a script that only needs the request types does not pay for importing transformers.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ _EXPORTS: dict[str, str] = {
     "encode": "common.tokenizer",
     "chat_prompt": "common.tokenizer",
     "IncrementalDetokenizer": "common.tokenizer",
-    "percentiles": "common.metrics",
-    "summarize": "common.metrics",
 }
 
 __all__ = sorted(_EXPORTS)

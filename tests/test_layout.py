@@ -147,3 +147,13 @@ def test_a_stage_imports_the_engine_parts_and_the_harness_only(stage: str) -> No
             continue  # a stage's tests may use the measuring kit
         used |= imports_of(path, known)
     assert {m for m in used if room(m) > 0} <= {"common.bench", "common.bench.harness"}
+
+
+def test_every_name_common_re_exports_resolves() -> None:
+    """`common.percentiles` pointed at a module that had moved into `common/bench/`: the lazy export
+    failed only when a reader used it. And the root re-exports only the root's own modules."""
+    import common
+
+    for name, module in common._EXPORTS.items():
+        assert module.count(".") == 1, (name, module)  # common.<module>: the root, not bench/ or serve/
+        assert getattr(common, name) is getattr(__import__(module, fromlist=[name]), name)

@@ -1,4 +1,4 @@
-"""common.metrics: every definition checked on synthetic timestamps with hand-computed values."""
+"""common.bench.metrics: every definition checked on synthetic timestamps with hand-computed values."""
 
 from __future__ import annotations
 
