@@ -200,7 +200,11 @@ class SchedulerManager:
                 break
             if p.request_id in self._queues:  # else cancelled while the tokenizer had it: its handle has ended
                 batch.append(p)
+        waits = False  # first come, first served (as vLLM's waiting queue): behind one that waits, the rest wait
         for i, p in enumerate(batch):
+            if waits:
+                self._waiting.append(p)
+                continue
             try:
                 self.scheduler.add_request(p.request.prompt, prompt_token_ids=p.request.prompt_token_ids,
                                            params=p.request.params, request_id=p.request_id,
@@ -212,6 +216,7 @@ class SchedulerManager:
                         "lower it or raise kv_cache_max_concurrency or num_kv_blocks"))
                     continue
                 self._waiting.append(p)  # waits for running requests to free blocks
+                waits = True
                 continue
             except Exception as exc:
                 self._fail(p.request_id, exc)

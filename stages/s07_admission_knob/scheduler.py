@@ -17,6 +17,8 @@ import torch
 
 from common.requests import Completion, Request, SamplingParams, int_knob, prepare_prompt
 
+from .kv_cache import OutOfKVBlocks
+
 if TYPE_CHECKING:
     from .engine import InferenceEngine
     from .session import InferenceSession
@@ -94,17 +96,27 @@ class OnlineScheduler:
 
         Returns, per request, its id — or the exception that kept it out (ValueError for bad
         input, OutOfKVBlocks when the pool cannot hold it yet): one bad request must not sink
-        the burst.
+        the burst. First come, first served, as vLLM's waiting queue: once one request must wait
+        for blocks, every request after it waits too (else a stream of small ones that fit could
+        keep a large one out for good).
         """
         eng = self.engine
         results: list[int | BaseException] = []
         admitted: list[tuple[int, "InferenceSession"]] = []
+        waits: OutOfKVBlocks | None = None
         for req in requests:
+            if waits is not None:
+                results.append(OutOfKVBlocks(f"an earlier request of the burst waits for KV blocks: {waits}"))
+                continue
             try:
                 if req.request_id is not None and (req.request_id in self._sessions or req.request_id in results):
                     raise ValueError(f"request_id {req.request_id} is already in use")  # the old session would leak
                 session = eng.new_session(req, prepare_prompt(req, eng.tokenizer, eng.max_model_len))
                 eng.reserve(session)
+            except OutOfKVBlocks as exc:
+                results.append(exc)
+                waits = exc
+                continue
             except Exception as exc:
                 results.append(exc)
                 continue

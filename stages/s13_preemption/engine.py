@@ -217,6 +217,9 @@ class InferenceEngine:
         needs them before the session is readmitted, its recompute takes them back instead of
         computing them (vLLM's recompute preemption, with its prefix cache, does the same)."""
         bs = self.pool.block_size
+        if not session.prompt_counted:  # preempted in its first prefill: its hits are what it reused so far,
+            session.prompt_counted = True  # not the blocks of its own that its readmission takes back
+            self.prefix_cache.count(len(session.prompt_ids), session.reused_blocks)
         full = session.num_cached // bs * bs
         known = session.tokens[:full]
         self.prefix_cache.insert(known, block_keys(known, bs), session.block_table)

@@ -115,6 +115,9 @@ def test_preempted_in_the_middle_of_a_chunked_prefill(tiny, hf_greedy) -> None:
         sched.step()
         seen_mid_prefill |= long.preempted and was[0] and 0 < was[1] < len(long_prompt)
     assert seen_mid_prefill and long.preemptions > 0
+    # Its prompt was no hit (nothing of it was cached when it came): the blocks of its own that its
+    # readmission took back are no hits either (they made hit_tokens exceed query_tokens).
+    assert engine.prefix_cache.hit_tokens == 0 and long.reused_blocks > 0
     assert sched.pop_completion(rid).token_ids == hf_greedy(long_prompt, 5)
     for r, p in zip(streams, stream_prompts):
         assert sched.pop_completion(r).token_ids == hf_greedy(p, 20)
