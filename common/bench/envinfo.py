@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from common.linear import ROWS_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -86,7 +88,7 @@ def cpu_features(info: dict[str, str]) -> dict:
 # and pinning (OpenMP, MKL, oneDNN), glibc malloc's thresholds, PyTorch's huge-page allocations,
 # a preloaded allocator. A result measured with one of them set is not comparable to one without.
 SPEED_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "DNNL_", "ONEDNN_", "MALLOC_", "THP_MEM_ALLOC_ENABLE",
-                      "LD_PRELOAD", "PYTORCH_", "CUDA_VISIBLE_DEVICES", "STAGEWISE_F_LINEAR_ROWS")
+                      "LD_PRELOAD", "PYTORCH_", "CUDA_VISIBLE_DEVICES", ROWS_ENV)
 
 
 def speed_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -34,6 +34,15 @@ def worker_priority(choice: str, device: "torch.device") -> str:
     return choice
 
 
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """The flags that clash with each other, checked before anything loads (in the server's process
+    too when the engine gets one of its own: there an error would be a traceback, after a Python started)."""
+    from common.bench.knobs import check_manager_flags, check_prefix_cache_flags
+
+    check_prefix_cache_flags(args.no_prefix_cache, args.prefix_cache_max_entries)
+    check_manager_flags(args)
+
+
 def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     """Load the model and build the chosen stage's engine and SchedulerManager from the flags."""
     import importlib
@@ -41,8 +50,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     from common import stages as registry
-    from common.bench.knobs import (accepted, check_manager_flags, check_prefix_cache_flags, engine_knobs,
-                                    knobs_not_taken, manager_knobs)
+    from common.bench.knobs import accepted, engine_knobs, knobs_not_taken, manager_knobs
     from common.loader import load_model
 
     package = registry.resolve_stage(args.stage)  # an unknown stage: a ValueError
@@ -50,8 +58,7 @@ def build_manager(args: argparse.Namespace) -> tuple[Any, str]:
         module = importlib.import_module(registry.streaming_stage(package))
     except ValueError as exc:  # a stage without a manager: the server exits with why (engine_process.py too)
         raise SystemExit(f"serve: {exc}") from None
-    check_prefix_cache_flags(args.no_prefix_cache, args.prefix_cache_max_entries)
-    check_manager_flags(args)
+    check_serve_flags(args)
     ignored = knobs_not_taken(module, args)  # said at start-up, as the bench says it: a server runs so all its life
     if ignored:  # (a refusal would stop serve-overhead and serve-compare, whose flags suit every stage, on 04-06)
         print(f"stagewise serve: note: {registry.short_name(package)} takes no {', '.join(ignored)}: not applied",

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from common.serve.app import GenerationRoutes, ServeState
-from common.serve.engine import add_serve_args, build_manager, worker_priority
+from common.serve.engine import add_serve_args, build_manager, check_serve_flags, worker_priority
 from common.serve.transport import bind_socket, http_protocol
 
 
@@ -42,11 +42,8 @@ def start_engine(args: argparse.Namespace) -> tuple[Any, str]:
     """The manager the server talks to: built here, or in a process of its own (`--engine-process`).
     Both hand out the same RequestHandles, so the server cannot tell them apart."""
     if args.engine_process:
-        from common.bench.knobs import check_manager_flags, check_prefix_cache_flags
         from common.serve.engine_process import EngineProcess
-        # build_manager checks these too, but in the engine's process: a traceback there, after a Python started.
-        check_prefix_cache_flags(args.no_prefix_cache, args.prefix_cache_max_entries)
-        check_manager_flags(args)
+        check_serve_flags(args)  # here, not only in the engine's process (its build_manager checks them again)
         engine = EngineProcess(args)
         return engine, engine.engine.stage
     return build_manager(args)

@@ -217,9 +217,9 @@ class InferenceEngine:
         needs them before the session is readmitted, its recompute takes them back instead of
         computing them (vLLM's recompute preemption, with its prefix cache, does the same)."""
         bs = self.pool.block_size
-        if not session.prompt_counted:  # preempted in its first prefill: its hits are what it reused so far,
-            session.prompt_counted = True  # not the blocks of its own that its readmission takes back
-            self.prefix_cache.count(len(session.prompt_ids), session.reused_blocks)
+        # Preempted in its first prefill, a prompt's hits are what it reused so far, not the blocks
+        # of its own that its readmission will take back.
+        self._count_prompt(session)
         full = session.num_cached // bs * bs
         known = session.tokens[:full]
         self.prefix_cache.insert(known, block_keys(known, bs), session.block_table)
@@ -229,6 +229,12 @@ class InferenceEngine:
         session.preempted = True
         session.preemptions += 1
         self.num_preemptions += 1
+
+    def _count_prompt(self, session: InferenceSession) -> None:
+        """A prompt's prefix-cache statistics, once, however often it is prefilled again."""
+        if not session.prompt_counted:
+            session.prompt_counted = True
+            self.prefix_cache.count(len(session.prompt_ids), session.reused_blocks)
 
     def step_sessions(self, decode: list[InferenceSession], prefilling: list[InferenceSession],
                       waiting: bool = False) -> tuple[torch.Tensor, list[InferenceSession]]:
@@ -269,9 +275,7 @@ class InferenceEngine:
         for s in done:
             s.pool.allocator.unreserve(s.reserved)  # its prefill is done: cached blocks others held left some booked
             s.reserved = 0
-            if not s.prompt_counted:  # a prompt's statistics, once
-                s.prompt_counted = True
-                self.prefix_cache.count(len(s.prompt_ids), s.reused_blocks)
+            self._count_prompt(s)
         self._record_step(len(decode) + len(chunks), waiting)
         return logits, done
 
