@@ -173,12 +173,13 @@ class InferenceEngine:
 
     def new_session(self, request: Request, prompt: PreparedPrompt) -> InferenceSession:
         """A session for a validated, tokenized request; fails if its prompt (and the first token
-        it generates) could never fit in the pool, even alone. How long it may grow is not asked
-        any more: a session that outgrows the whole pool is ended then (scheduler.py)."""
+        it generates, when another follows: the last token's K/V is never written) could never fit
+        in the pool, even alone. How long it may grow is not asked any more: a session that
+        outgrows the whole pool is ended then (scheduler.py)."""
         session = InferenceSession(request, prompt.token_ids, prompt.truncated,
                                    make_generator(request.params, self.device), self.pool,
                                    prefill_target=len(prompt.token_ids))
-        need = self.blocks_for(len(prompt.token_ids) + 1)
+        need = self.blocks_for(len(prompt.token_ids) + (request.params.max_new_tokens > 1))
         if need > self.pool.allocator.num_blocks:
             raise ValueError(f"prompt: a request's prompt needs {need} KV blocks but the pool has only "
                              f"{self.pool.allocator.num_blocks}; raise kv_cache_max_concurrency or num_kv_blocks")

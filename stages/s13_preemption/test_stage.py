@@ -189,6 +189,8 @@ def test_a_prompt_that_never_fits_and_a_request_that_outgrows_the_pool(tiny, hf_
     engine = s13.InferenceEngine(tiny, max_batch_size=2, block_size=BS, num_kv_blocks=4, enforce_eager=False)
     with pytest.raises(ValueError, match="^prompt: a request's prompt needs 5 KV blocks"):
         _run(engine, [_ids(16, seed=1)], [4])  # 16 + 1 tokens: 5 blocks of 4
+    # One new token: the prompt fills the pool exactly (the token it samples is never written back)
+    assert _run(engine, [_ids(16, seed=1)], [1]) == [hf_greedy(_ids(16, seed=1), 1)]
     with pytest.raises(ValueError, match="max_new_tokens: request .* past the whole KV pool"):
         _run(engine, [_ids(3, seed=2), _ids(2, seed=5)], [40, 3])  # the first outgrows 16 tokens alone
     _all_free(engine)  # the other request's blocks went back too: the engine serves the next call whole
