@@ -325,6 +325,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x", "name": 7}]}, 400,
+     "messages[0].name"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
      400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 0},
@@ -632,6 +634,23 @@ def test_serve_names_the_engine_knobs_its_stage_does_not_take(monkeypatch, capsy
     with pytest.raises(ValueError, match="^--prefix-cache-max-entries: cannot go with --no-prefix-cache"):
         serve_engine.build_manager(p.parse_args(["--stage", "9", "--no-prefix-cache", "--prefix-cache-max-entries", "8",
                                                  "--model", "tiny"]))
+
+
+def test_a_message_name_reaches_the_chat_template() -> None:
+    """A participant's `name` goes to the template beside role and content, as vLLM passes it."""
+    from common.serve.protocol import chat_prompt
+
+    class Template:
+        chat_template = "records what it is given"
+
+        def apply_chat_template(self, messages, **kwargs) -> str:
+            self.seen = messages
+            return "prompt"
+
+    tokenizer = Template()
+    chat_prompt({"messages": [{"role": "developer", "content": "Be brief.", "name": None},
+                              {"role": "user", "content": "Hi", "name": "ana"}]}, tokenizer)
+    assert tokenizer.seen == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ana"}]
 
 
 @pytest.mark.parametrize("chat", [False, True])

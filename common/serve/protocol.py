@@ -247,7 +247,8 @@ def parse_completion(body: dict, vocab_size: int, default_max_tokens: int = 16) 
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The messages as plain {"role", "content": str} dicts for the tokenizer's chat template."""
+    """The messages as plain {"role", "content": str} dicts for the tokenizer's chat template, with
+    a participant's `name` where one is given (as vLLM passes it: templates that know it use it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "must be a non-empty list of {role, content} objects")
@@ -269,7 +270,13 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "\n".join(p["text"] for p in content)  # one part a line, as vLLM joins them
         if not isinstance(content, str):
             raise bad_request(f"{where}.content", f"must be a string, got {content!r:.80}")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise bad_request(f"{where}.name", f"must be a non-empty string, got {name!r:.80}")
+            message["name"] = name
+        out.append(message)
     return out
 
 
