@@ -148,8 +148,11 @@ class InferenceEngine:
                 if cached is not None:
                     logits[i] = cached  # no forward pass: the blocks and logits are already there
                     continue
-                if key in first_with_key:  # in-batch dedup: prefill once, share the blocks
-                    duplicates.append((i, first_with_key[key]))
+                earlier = first_with_key.get(key)
+                # In-batch dedup: prefill once, share the blocks. The same key must mean the same
+                # tokens, as PrefixCache.attach checks: the same text with a caller's own ids is no duplicate.
+                if earlier is not None and sessions[earlier].prompt_ids == s.prompt_ids:
+                    duplicates.append((i, earlier))
                     continue
                 first_with_key[key] = i
             todo.append(i)
