@@ -163,13 +163,18 @@ def test_reused_request_ids_are_rejected_without_leaking(tiny, hf_greedy):
 
 
 def test_a_failing_batched_prefill_gives_every_block_back(tiny):
-    engine = InferenceEngine(tiny, max_batch_size=4, block_size=4)
+    engine = InferenceEngine(tiny, max_batch_size=8, block_size=4, num_kv_blocks=24)
     _spy(engine, fail_on_first_token=7777)
-    sched = OnlineScheduler(engine, max_batch_size=4)
-    engine.generate([Request(prompt=P7, params=SamplingParams(max_new_tokens=1))])  # a cache hit in the burst
-    with pytest.raises(RuntimeError, match="injected"):
-        sched.add_requests([OnlineRequest(prompt=P7), OnlineRequest(prompt_token_ids=[7777, 5, 6]),
-                            OnlineRequest(prompt=P12), OnlineRequest(prompt=P12)])
+    sched = OnlineScheduler(engine, max_batch_size=8)
+    two = SamplingParams(max_new_tokens=2)
+    engine.generate([Request(prompt=P7, params=two)])  # a cache hit in the burst
+    burst = [dict(prompt=P7), dict(prompt_token_ids=[7777, 5, 6]), dict(prompt=""), dict(prompt=P12),
+             dict(prompt=P12), dict(prompt_token_ids=_ids(60, seed=1))]  # the last needs 16 blocks: it waits
+    results = sched.add_requests([OnlineRequest(**r, params=two) for r in burst])
+    # The four the prefill ran get its error; bad input keeps its own, and one that waits for blocks still waits.
+    kinds = ["RuntimeError"] * 2 + ["ValueError"] + ["RuntimeError"] * 2 + ["OutOfKVBlocks"]
+    assert [type(r).__name__ for r in results] == kinds
+    assert "injected" in str(results[0]) and str(results[2]).startswith("prompt")
     assert not sched.request_ids()
     _assert_pool_empty(engine)
 

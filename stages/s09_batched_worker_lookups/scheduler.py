@@ -95,10 +95,10 @@ class OnlineScheduler:
         """Admit a burst: validate and book each, then ONE batched prefill for all of them.
 
         Returns, per request, its id — or the exception that kept it out (ValueError for bad
-        input, OutOfKVBlocks when the pool cannot hold it yet): one bad request must not sink
-        the burst. First come, first served, as vLLM's waiting queue: once one request must wait
-        for blocks, every request after it waits too (else a stream of small ones that fit could
-        keep a large one out for good).
+        input, OutOfKVBlocks when the pool cannot hold it yet, the batched prefill's error for
+        the requests it ran): one bad request must not sink the burst. First come, first served,
+        as vLLM's waiting queue: once one request must wait for blocks, every request after it
+        waits too (else a stream of small ones that fit could keep a large one out for good).
         """
         eng = self.engine
         results: list[int | BaseException] = []
@@ -133,10 +133,12 @@ class OnlineScheduler:
             s.timings["scheduled"] = now
         try:
             eng.sample_and_record(sessions, eng.prefill_sessions(sessions))
-        except BaseException:
+        except BaseException as exc:
             for s in sessions:
                 s.release_kv_blocks()
-            raise
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C and the like end the call
+            return [exc if isinstance(r, int) else r for r in results]  # its requests get the error; the rest keep theirs
         for rid, s in admitted:
             self._sessions[rid] = s
             if s.finished:

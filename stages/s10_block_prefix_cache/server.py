@@ -216,7 +216,7 @@ class SchedulerManager:
         ]
         try:
             results = self.scheduler.add_requests(requests)
-        except Exception as exc:  # the batched prefill itself failed: every request of the burst gets the error
+        except Exception as exc:  # a bug in admission itself (else add_requests answers per request): the whole burst gets it
             results = [exc] * len(batch)
         for i, (p, result) in enumerate(zip(batch, results)):
             if isinstance(result, OutOfKVBlocks):
