@@ -39,6 +39,14 @@ def _is_real(x: Any) -> bool:
     return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 
 
+def float_knob(name: str, value: Any, minimum: float = 0.0) -> float:
+    """`value`, a knob in milliseconds or the like, if it is a finite real number >= minimum; else
+    a ValueError naming the knob (`float("x")` or `float(None)` would name nothing)."""
+    if not _is_real(value) or not minimum <= float(value) < math.inf:
+        raise ValueError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 
 

@@ -126,3 +126,11 @@ def test_arrivals_wake_the_waiting_worker_only_when_the_batch_is_full(package, t
             assert len(h.result(timeout=60).token_ids) == 4
         assert wakes == [1, 8], wakes  # the first arrival (the worker was idle) and the full batch
     assert _rounds(events) == 1, events
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+@pytest.mark.parametrize("knob", ["max_queue_delay_ms", "queue_quiet_ms"])
+@pytest.mark.parametrize("value", ["x", None, -1, float("nan"), True])
+def test_a_bad_wait_is_refused_by_name(package, knob, value, tiny) -> None:
+    with pytest.raises(ValueError, match=f"^{knob} must be a finite number >= 0"):
+        _manager(package, tiny, **{knob: value})

@@ -1,10 +1,11 @@
 """Stage 04 — online scheduler: continuous batching, with a SchedulerManager worker thread that streams tokens.
 
 Up to stage 03 a batch ran until its longest member finished. Here `OnlineScheduler` admits
-a request the moment a decode slot and its KV blocks are free (prefill at `add_request`),
-decodes up to `max_batch_size` sessions per `step()`, and frees a finished session's blocks
-at once. `SchedulerManager` puts a worker thread in front of it: callers `add_request` from
-any thread and stream text back. Touches engine.py; adds scheduler.py and server.py.
+a request the moment its KV blocks are free (prefill at `add_request`), decodes up to
+`max_batch_size` sessions per `step()` (round-robin when it holds more), and frees a finished
+session's blocks at once. `SchedulerManager` puts a worker thread in front of it: callers
+`add_request` from any thread and stream text back. Touches engine.py; adds scheduler.py and
+server.py.
 """
 
 from .engine import InferenceEngine

@@ -10,14 +10,13 @@ gets its error on its own stream; the worker and the other requests carry on.
 from __future__ import annotations
 
 import itertools
-import math
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from common.requests import Completion, Request, SamplingParams, int_knob
+from common.requests import Completion, Request, SamplingParams, float_knob, int_knob
 from common.streams import ChunkQueue, Done, Failed, Pending, RequestHandle, StreamChunk, StreamState
 from common.threads import release_caller_openmp_threads
 from common.tokenizer import IncrementalDetokenizer, encode
@@ -42,10 +41,8 @@ class SchedulerManager:
         self._prefill_max_batch_size = int_knob("prefill_max_batch_size", prefill_max_batch_size, 1)
         int_knob("stream_interval", stream_interval, 1)
         int_knob("tokenize_workers", tokenize_workers, 0)
-        if not 0 <= float(max_queue_delay_ms) < math.inf:
-            raise ValueError(f"max_queue_delay_ms must be a finite number >= 0, got {max_queue_delay_ms}")
-        if not 0 <= float(queue_quiet_ms) < math.inf:
-            raise ValueError(f"queue_quiet_ms must be a finite number >= 0, got {queue_quiet_ms}")
+        float_knob("max_queue_delay_ms", max_queue_delay_ms)
+        float_knob("queue_quiet_ms", queue_quiet_ms)
         self.engine = engine
         self.scheduler = OnlineScheduler(engine, max_batch_size=int(max_batch_size))
         self.record_token_timestamps = record_token_timestamps
