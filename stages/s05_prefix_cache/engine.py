@@ -82,7 +82,7 @@ class InferenceEngine:
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run every request to completion with continuous batching; results in the order of `requests`."""
-        from .scheduler import OnlineScheduler  # the scheduler drives this engine, so it imports us
+        from .scheduler import OnlineScheduler  # a layer above the engine (it drives one): imported where used
 
         submitted = time.perf_counter()
         # Validate and tokenize everything first: bad input fails before any work is done.
