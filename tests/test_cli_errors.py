@@ -253,3 +253,32 @@ def test_a_quiet_window_without_a_queue_delay_is_refused_by_the_bench_and_serve(
     flags.check_args(bench.parse_args(["--queue-quiet-ms", "5", "--max-queue-delay-ms", "0"]))
     with pytest.raises(ValueError, match="^--queue-quiet-ms: only with a queue delay"):  # at a rate: no wait
         serve_overhead.main(["--model", "tiny", "--request-rate", "50", "--queue-quiet-ms", "20"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--submit-interval-ms", "-50"], "--submit-interval-ms: must be a finite number >= 0"),
+    (["--submit-interval-ms", "nan"], "--submit-interval-ms: must be a finite number >= 0"),
+    (["--request-timeout-s", "0"], "--request-timeout-s: must be a finite number > 0"),
+    (["--request-timeout-s", "nan"], "--request-timeout-s: must be a finite number > 0"),
+    (["--prompt-len-min", "0"], "--prompt-len-min: must be >= 1"),
+    (["--prompt-len-min", "4", "--prompt-len-max", "-1"], "--prompt-len-max: must be >= 1"),
+])
+def test_the_bench_refuses_a_time_or_length_that_means_nothing(flags, message) -> None:
+    """A negative interval went out as a burst with a made-up submit lag, NaN wrote invalid JSON,
+    a 0 s timeout failed after the weights loaded, and --prompt-len-min 0 fell back to 'Hello'."""
+    from common import stages as registry
+    from common.bench.flags import check_args, parse_bench_args
+
+    args = parse_bench_args(registry.load_stage(9), flags)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check_args(args)
+
+
+@pytest.mark.parametrize("stages, message", [("1,x", "--stages: unknown stage 'x'"), ("99", "--stages: no stage 99"),
+                                             (",", "--stages: give stage numbers")])
+def test_parity_checks_its_stages_before_the_reference_runs(stages, message, monkeypatch) -> None:
+    from common.bench import parity
+
+    monkeypatch.setattr(parity, "measure", lambda a: pytest.fail("the reference ran before --stages was checked"))
+    with pytest.raises(ValueError, match=f"^{message}"):
+        parity.main(["--model", "tiny", "--stages", stages])

@@ -174,3 +174,18 @@ def test_a_token_difference_fails_the_ladder_in_fp32_only(dtype, fails) -> None:
     assert ladder.failed_engines(data) == fails
     data["skipped"] = [{"engine": "s09_batched_worker_lookups", "reason": "crashed"}]
     assert ladder.failed_engines(data) == ["s09_batched_worker_lookups", *fails]  # a crash fails in any dtype
+
+
+def test_a_rungs_kv_counters_are_its_last_runs(tiny) -> None:
+    """A rung's engine serves its warmup and every repeat: its counters (prefix-cache queries,
+    preemptions, ...) would add up over all of them; the entry keeps one run's, as the bench does."""
+    from common.requests import Request, SamplingParams
+
+    stage = registry.load_stage("stages.s10_block_prefix_cache")
+    rung = ladder_rungs.Engine("s10", "s10", lambda: stage.InferenceEngine(tiny, max_batch_size=4))
+    prompts = [[100 + i for i in range(n)] for n in (5, 9, 17)]
+    requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=3, stop_on_eos=False)) for p in prompts]
+    ladder_rungs.run_all([rung], requests, argparse.Namespace(warmup_runs=1, repeat_runs=2))
+    assert rung.error is None and len(rung.summaries) == 2
+    assert rung.kv["prefix_cache_query_tokens"] == sum(map(len, prompts))  # one run's prompts, not three runs'
+    assert rung.engine.kv_stats()["prefix_cache_query_tokens"] == 3 * sum(map(len, prompts))

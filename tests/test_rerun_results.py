@@ -159,3 +159,15 @@ def test_a_bench_results_rebuilt_command_parses_back_to_its_config() -> None:
         flags.check_args(args)  # and the bench takes it: a reader who copies it gets a run, not an error
         checked += 1
     assert checked >= 10
+
+
+def test_a_written_command_splits_back_into_its_words(tmp_path) -> None:
+    """An argument with spaces (worker-probe passes bench flags such as --prompt through) is quoted."""
+    import shlex
+
+    from common.bench.results import write_result
+
+    words = ["--stage", "9", "--prompt", "Why is the sky blue?"]
+    write_result(tmp_path / "r.json", {"device": "cpu"}, "worker-probe", words)
+    command = json.loads((tmp_path / "r.json").read_text())["command"]
+    assert shlex.split(command) == ["stagewise", "worker-probe", *words]

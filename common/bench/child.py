@@ -71,7 +71,7 @@ def ladder_job(job: dict) -> dict:
     floor = FloorSampler(setup.loaded.model, decode_batch(args.max_batch_size, len(setup.requests)))
     ladder.run_all([e], setup.requests, args, after_run=floor)
     return {"engine": e.name, "error": e.error, "summaries": e.summaries, "first_tokens": e.first_tokens,
-            "kv": e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else None,
+            "kv": e.kv,
             "setup_s": list(getattr(e.engine, "setup_s", None) or []),
             "floor": floor.fields(), "workload_digest": workload_digest(setup.requests), "env": _env(setup.loaded)}
 

@@ -13,6 +13,7 @@ workload flag means the same thing everywhere (the engines' and managers' knobs:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -257,6 +258,9 @@ def prompt_kind_typed(args: argparse.Namespace, typed: set[str]) -> None:
 def check_workload_flags(args: argparse.Namespace) -> None:
     """What build_workload would refuse (naming its arguments) once a tokenizer is loaded, named
     here by flag, before any weights load."""
+    for name in ("prompt_len_min", "prompt_len_max"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
     if args.shared_prefix_len and args.prompt_len_min is not None and args.prompt_len_min <= args.shared_prefix_len:
@@ -282,6 +286,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
     if args.warmup_runs < 0:
         raise ValueError("--warmup-runs: must be >= 0")
+    if not 0 <= args.submit_interval_ms < math.inf:  # NaN fails too
+        raise ValueError(f"--submit-interval-ms: must be a finite number >= 0, got {args.submit_interval_ms}")
+    if not 0 < args.request_timeout_s < math.inf:
+        raise ValueError(f"--request-timeout-s: must be a finite number > 0, got {args.request_timeout_s}")
     check_manager_flags(args)
     if args.rounds > 1 and (args.same_process or not (args.compare or args.baseline)):
         raise ValueError("--rounds: fresh processes per compared engine; it needs --compare or --baseline "

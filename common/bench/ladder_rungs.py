@@ -40,7 +40,7 @@ class Engine:
     first_tokens: list[list[int]] | None = None   # token ids of its first run (the correctness check)
     match: bool | None = None                     # those ids equal the reference engine's
     error: str | None = None
-    kv: dict | None = None                        # kv_stats(), from its worker process
+    kv: dict | None = None                        # kv_stats() of its last timed run (run_all), or from its worker
     setup_s: list[float] | None = None
     floor: dict | None = None                     # floor_ms, floor_batch, measured in its process
     process: dict | None = None                   # fresh_process, pid, exit_code
@@ -157,6 +157,24 @@ def run_once(e: Engine, requests: list, args: argparse.Namespace) -> tuple[dict,
     return summarize(completions, wall_s=wall_seconds(completions, t0, time.perf_counter())), completions
 
 
+# kv_stats() fields that count events: a rung's engine serves every run, so these add up over its
+# runs, and the ladder keeps the last run's share (as the bench, with a fresh engine a run, does).
+# Its peaks and means are over all its runs of the same workload.
+KV_COUNTERS = ("prefix_cache_hits", "prefix_cache_misses", "prefix_cache_hit_tokens", "prefix_cache_query_tokens",
+               "num_preemptions", "recomputed_tokens", "steps_while_waiting", "graph_steps", "eager_steps")
+
+
+def kv_of_run(engine: Any, before: dict | None) -> dict | None:
+    """kv_stats() after a run, its counters less what they held before it (`before`)."""
+    if not hasattr(engine, "kv_stats"):
+        return None
+    kv = engine.kv_stats()
+    for name in KV_COUNTERS:
+        if before is not None and isinstance(kv.get(name), (int, float)) and isinstance(before.get(name), (int, float)):
+            kv[name] -= before[name]
+    return kv
+
+
 def run_all(engines: list[Engine], requests: list, args: argparse.Namespace,
             after_run: Callable[[], None] | None = None) -> None:
     """Warmups then repeats, alternating engines; an engine that fails is dropped (and says why).
@@ -171,11 +189,13 @@ def run_all(engines: list[Engine], requests: list, args: argparse.Namespace,
                 bar.set_postfix_str(f"{'warmup' if warm else 'run'} {i + 1 - (0 if warm else args.warmup_runs)}: {e.name}")
                 if e.error is None:
                     try:
+                        before = e.engine.kv_stats() if hasattr(e.engine, "kv_stats") else None
                         summary, completions = run_once(e, requests, args)
                         if e.first_tokens is None:
                             e.first_tokens = [c.token_ids for c in completions]
                         if not warm:
                             e.summaries.append(summary)
+                            e.kv = kv_of_run(e.engine, before)
                             if after_run is not None:
                                 after_run()
                     except Exception as exc:  # noqa: BLE001 -- recorded in the JSON, the ladder goes on

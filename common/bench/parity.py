@@ -57,6 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def stage_numbers(text: str) -> list[int]:
+    """`--stages`: "all", or stage numbers (or names) separated by commas; a ValueError naming the flag."""
+    from common import stages as registry
+
+    if text == "all":
+        return sorted(registry.STAGES)
+    try:
+        numbers = [registry.stage_number(s.strip()) for s in text.split(",") if s.strip()]
+    except ValueError as exc:  # the registry's own words name the stage it does not know
+        raise ValueError(f"--stages: {str(exc).removeprefix('stage: ')}") from None
+    if not numbers:
+        raise ValueError(f"--stages: give stage numbers such as 1,4,9, or all; got {text!r}")
+    return numbers
+
+
 def first_difference(ours: list[int], ref: list[int]) -> int | None:
     """Index of the first token where the two differ (a length difference counts); None if equal."""
     for i, (a, b) in enumerate(zip(ours, ref)):
@@ -118,9 +133,8 @@ def measure(a: argparse.Namespace) -> dict:
     reference = [c.token_ids for c in hf.generate(requests)]
     print(f"reference: transformers generate, {len(prompts)} prompts one at a time ({time.perf_counter() - t0:.1f} s)",
           flush=True)
-    numbers = sorted(registry.STAGES) if a.stages == "all" else [int(n) for n in a.stages.split(",")]
     entries = {}
-    for n in numbers:
+    for n in a.stage_numbers:
         package = registry.stage_package(n)
         module = importlib.import_module(package)
         engine = module.InferenceEngine(loaded, **accepted(module.InferenceEngine, {"max_batch_size": a.max_batch_size}))
@@ -158,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.max_new_tokens < 1 or a.max_batch_size < 1 or a.random_prompts < 0:
         raise ValueError("--max-new-tokens and --max-batch-size must be >= 1, --random-prompts >= 0")
+    a.stage_numbers = stage_numbers(a.stages)  # before the reference runs: a typo costs no minutes
     torch.manual_seed(a.seed)
     result = measure(a)
     from common.bench.results import print_and_write

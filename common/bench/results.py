@@ -6,6 +6,7 @@ provenance: `command`, and `env` (commit, versions, CPU, device: common/bench/en
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -22,7 +23,8 @@ def write_json(path: str | Path, data: dict) -> None:
 def write_result(path: str | Path, result: dict, program: str, argv: list[str] | None) -> None:
     """A `stagewise <program>` result with the command that made it and where it ran (`result["device"]`)."""
     words = sys.argv[1:] if argv is None else argv
-    write_json(path, {**result, "command": f"stagewise {program} " + " ".join(words), "env": collect_env(result["device"])})
+    command = shlex.join(["stagewise", program, *words])  # quoted: the rerun test splits it back with shlex
+    write_json(path, {**result, "command": command, "env": collect_env(result["device"])})
 
 
 def print_and_write(program: str, result: dict, report: str, path: str | None, argv: list[str] | None) -> int:

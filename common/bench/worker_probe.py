@@ -150,7 +150,7 @@ def decode_tail(decodes: list[Event], steps: list[Event], slowest: int = 5) -> d
     ranked = sorted(enumerate(steps), key=lambda ie: -ie[1][2])[:slowest]
     return {
         "decode_ms_mean": sum(ms) / len(ms),
-        "decode_ms_p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        "decode_ms_p90": statistics.quantiles(ms, n=10, method="inclusive")[-1] if len(ms) > 1 else ms[0],  # numpy's
         "decode_ms_max": ms[-1],
         "slow_decode_steps": len(slow),
         "slow_decode_share": sum(slow) / sum(ms) if sum(ms) else 0.0,
