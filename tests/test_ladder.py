@@ -189,3 +189,15 @@ def test_a_rungs_kv_counters_are_its_last_runs(tiny) -> None:
     assert rung.error is None and len(rung.summaries) == 2
     assert rung.kv["prefix_cache_query_tokens"] == sum(map(len, prompts))  # one run's prompts, not three runs'
     assert rung.engine.kv_stats()["prefix_cache_query_tokens"] == 3 * sum(map(len, prompts))
+
+
+def test_the_bench_with_a_reused_engine_keeps_its_last_runs_kv_counters(tiny) -> None:
+    from common.bench import engines
+    from common.requests import Request, SamplingParams
+
+    stage = registry.load_stage("stages.s10_block_prefix_cache")
+    spec = engines.EngineSpec("s10", lambda: stage.InferenceEngine(tiny, max_batch_size=4))
+    prompts = [[100 + i for i in range(n)] for n in (5, 9, 17)]
+    requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=3, stop_on_eos=False)) for p in prompts]
+    engines.run_engines([spec], lambda s: engines.run_offline_once(s, requests), requests, 1, 2, fresh_engine=False)
+    assert spec.kv["prefix_cache_query_tokens"] == sum(map(len, prompts))

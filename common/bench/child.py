@@ -50,7 +50,7 @@ def bench_job(job: dict) -> dict:
         engines.run_engines([spec], lambda s: engines.run_offline_once(s, requests), requests,
                           args.warmup_runs, args.repeat_runs, args.fresh_engine, after_run=floor)
     return {"engine": spec.name, "summaries": spec.summaries, "first_tokens": spec.first_tokens,
-            "kv": spec.engine.kv_stats() if hasattr(spec.engine, "kv_stats") else None,
+            "kv": spec.kv,
             "floor": floor.fields(), "workload_digest": workload_digest(requests), "env": _env(loaded)}
 
 

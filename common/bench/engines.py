@@ -35,7 +35,7 @@ class EngineSpec:
     knobs: dict = field(default_factory=dict)  # the engine knobs its constructor accepted
     summaries: list[dict] = field(default_factory=list)
     first_tokens: list[list[int]] | None = None  # token ids of its first run, per request
-    kv: dict | None = None                 # kv_stats() (from its worker process, or the engine)
+    kv: dict | None = None                 # kv_stats() of its last run (kv_of_run), here or in its worker process
     floor: dict | None = None              # floor_ms, floor_batch (measured in its process)
     process: dict | None = None            # fresh_process, pid, exit_code
 
@@ -113,6 +113,24 @@ def check_same_tokens(specs: list[EngineSpec], requests: list) -> dict:
     return {"checked": len(specs) > 1, "equal": not mismatches, "mismatches": mismatches}
 
 
+# kv_stats() fields that count events. An engine that serves several runs (a ladder rung; the bench
+# with --reuse-engine) adds them up over its runs: a result keeps the last run's share, as a fresh
+# engine a run (the bench's default) gives. Its peaks and means are over all its runs of one workload.
+KV_COUNTERS = ("prefix_cache_hits", "prefix_cache_misses", "prefix_cache_hit_tokens", "prefix_cache_query_tokens",
+               "num_preemptions", "recomputed_tokens", "steps_while_waiting", "graph_steps", "eager_steps")
+
+
+def kv_of_run(engine: Any, before: dict | None) -> dict | None:
+    """kv_stats() after a run, its counters less what they held before it (`before`)."""
+    if not hasattr(engine, "kv_stats"):
+        return None
+    kv = engine.kv_stats()
+    for name in KV_COUNTERS:
+        if before is not None and isinstance(kv.get(name), (int, float)) and isinstance(before.get(name), (int, float)):
+            kv[name] -= before[name]
+    return kv
+
+
 def run_engines(specs: list[EngineSpec], run_once: Callable[[EngineSpec], tuple[dict, list]], requests: list,
                 warmup_runs: int, repeat_runs: int, fresh_engine: bool,
                 after_run: Callable[[], None] | None = None) -> dict:
@@ -121,9 +139,13 @@ def run_engines(specs: list[EngineSpec], run_once: Callable[[EngineSpec], tuple[
     correctness: dict = {"checked": False}
 
     def one(spec: EngineSpec) -> dict:
+        before = None
         if spec.engine is None or fresh_engine:
             spec.engine = spec.factory()
+        elif hasattr(spec.engine, "kv_stats"):
+            before = spec.engine.kv_stats()
         summary, completions = run_once(spec)
+        spec.kv = kv_of_run(spec.engine, before)
         if spec.first_tokens is None:
             spec.first_tokens = [list(c.token_ids) for c in completions]
         return summary

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from common import stages as registry
-from common.bench.engines import wall_seconds
+from common.bench.engines import kv_of_run, wall_seconds
 from common.bench.flags import output_dir
 from common.bench.knobs import accepted
 from common.bench.ladder_workloads import DEFAULT_MAX_BATCH_SIZE, WORKLOADS, auto_kv_blocks, workload_kwargs
@@ -155,24 +155,6 @@ def run_once(e: Engine, requests: list, args: argparse.Namespace) -> tuple[dict,
     t0 = time.perf_counter()
     completions = e.engine.generate(batch)
     return summarize(completions, wall_s=wall_seconds(completions, t0, time.perf_counter())), completions
-
-
-# kv_stats() fields that count events: a rung's engine serves every run, so these add up over its
-# runs, and the ladder keeps the last run's share (as the bench, with a fresh engine a run, does).
-# Its peaks and means are over all its runs of the same workload.
-KV_COUNTERS = ("prefix_cache_hits", "prefix_cache_misses", "prefix_cache_hit_tokens", "prefix_cache_query_tokens",
-               "num_preemptions", "recomputed_tokens", "steps_while_waiting", "graph_steps", "eager_steps")
-
-
-def kv_of_run(engine: Any, before: dict | None) -> dict | None:
-    """kv_stats() after a run, its counters less what they held before it (`before`)."""
-    if not hasattr(engine, "kv_stats"):
-        return None
-    kv = engine.kv_stats()
-    for name in KV_COUNTERS:
-        if before is not None and isinstance(kv.get(name), (int, float)) and isinstance(before.get(name), (int, float)):
-            kv[name] -= before[name]
-    return kv
 
 
 def run_all(engines: list[Engine], requests: list, args: argparse.Namespace,
