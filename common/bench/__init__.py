@@ -1,7 +1,7 @@
 """The measuring kit: how every number in the docs is made.
 
 Nothing here is part of an engine; every stage's `bench.py` enters through one door,
-`common.bench.harness.run_stage_bench`. The modules, from the ground up (each imports only
+`common.bench.harness.bench_main`. The modules, from the ground up (each imports only
 those above it in this list, and the engine's parts in `common/`):
 
 - `envinfo`, `metrics`, `report`, `floor`, `workloads`: where a result ran, the posts' metrics,

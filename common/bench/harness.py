@@ -37,11 +37,12 @@ def bench_main(stage_package: str) -> None:
     sys.exit(run_command(lambda: run_stage_bench(stage_package), f"python -m {stage_package}.bench"))
 
 
-def run_stage_bench(stage_package: str, argv: list[str] | None = None) -> dict:
-    """Entry point of every `stages/<stage>/bench.py`; returns the JSON-shaped result."""
+def run_stage_bench(stage_package: str, argv: list[str] | None = None, prog: str | None = None) -> dict:
+    """Entry point of every `stages/<stage>/bench.py`; returns the JSON-shaped result. `prog`:
+    the command named in --help and usage errors (`stagewise bench` says its --stage there)."""
     module = importlib.import_module(stage_package)
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_bench_args(module, argv)
+    args = parse_bench_args(module, argv, prog)
     check_args(args)
     from common.loader import load_model, load_weights
 
