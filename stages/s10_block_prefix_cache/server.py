@@ -106,7 +106,7 @@ class SchedulerManager:
         # While the idle worker collects a burst, wake it only when the batch is full: it times
         # the quiet window from _last_arrival itself, and a wake per arrival would take the GIL
         # from the thread submitting the rest of the burst, 64 times in a burst of 64.
-        if not self._collecting or self._pending.qsize() >= self.scheduler.max_batch_size:
+        if not self._collecting or self._pending.qsize() >= self._prefill_max_batch_size:
             self._wakeup.set()
 
     def cancel(self, request_id: int) -> None:
@@ -179,7 +179,7 @@ class SchedulerManager:
             return
         if self._pending.qsize() == 0:
             return
-        start, full = time.perf_counter(), self.scheduler.max_batch_size
+        start, full = time.perf_counter(), self._prefill_max_batch_size  # what one admission takes
         self._collecting = True  # from here, add_request wakes us only when the batch is full
         try:
             while self._pending.qsize() < full and self._running:  # close() ends the wait
