@@ -95,3 +95,39 @@ def test_a_request_an_idle_pool_refuses_ends_with_an_error_naming_what_it_booked
             manager.add_request("Hello", max_new_tokens=4, temperature=0.0).result(timeout=30)
         assert len(manager.add_request("Hi", max_new_tokens=4, temperature=0.0).result(timeout=30).token_ids) == 4
         assert not manager.scheduler.has_unfinished()
+
+
+class FailsOnThird(IncrementalDetokenizer):
+    """The third token seen by any request's detokenizer raises; every other one works."""
+
+    seen = 0
+
+    def add(self, token_id: int) -> str:
+        FailsOnThird.seen += 1
+        if FailsOnThird.seen == 3:
+            raise RuntimeError("detokenizer fell over")
+        return super().add(token_id)
+
+
+@pytest.mark.parametrize("package", STREAMING, ids=registry.short_name)
+def test_a_bug_in_a_step_that_finishes_a_request_still_ends_every_request(package, tiny, monkeypatch):
+    """The step that fails to deliver a token also finishes another request: that one has left the
+    manager's queues already (stage 09 looks every record up once, up front), and must still end,
+    not wait forever. Tokens: each request's first comes from its prefill (1, 2); the step after
+    gives A its last and B its second (3: the failure)."""
+    stage = registry.load_stage(package)
+    monkeypatch.setattr(importlib.import_module(f"{package}.server"), "IncrementalDetokenizer", FailsOnThird)
+    monkeypatch.setattr(FailsOnThird, "seen", 0)
+    engine = stage.InferenceEngine(tiny, max_batch_size=2)
+    with stage.SchedulerManager(engine, max_batch_size=2, max_queue_delay_ms=60_000, queue_quiet_ms=200) as manager:
+        a = manager.add_request(prompt_token_ids=[11, 12, 13], max_new_tokens=2, stop_on_eos=False)
+        b = manager.add_request(prompt_token_ids=[21, 22, 23], max_new_tokens=6, stop_on_eos=False)
+        ends = []
+        for handle in (a, b):
+            try:
+                ends.append(len(handle.result(timeout=30).token_ids))
+            except RuntimeError as exc:
+                assert "fell over" in str(exc)
+                ends.append("failed")
+        assert "failed" in ends  # the bug reached someone; and nobody waited for the timeout
+        assert manager._worker.is_alive() and not manager.scheduler.has_unfinished()

@@ -268,10 +268,12 @@ class SchedulerManager:
                 for rid in finished_ids
             ]
             self._cancelled.difference_update(finished_ids)
-        for token_id, q, detok, state in step_records:
-            self._push_token(q, detok, state, token_id)
-        for rid, q, detok, state in finished_records:
-            self._complete(rid, q, detok, state)
+        try:
+            for token_id, q, detok, state in step_records:
+                self._push_token(q, detok, state, token_id)
+        finally:  # the finished have left _queues: if a push failed (a bug), only here do they end
+            for rid, q, detok, state in finished_records:
+                self._complete(rid, q, detok, state)
 
     def _push_token(self, q: "queue.Queue[Any] | None", detok: IncrementalDetokenizer | None,
                     state: StreamState | None, token_id: int) -> None:
