@@ -91,21 +91,19 @@ class DecodeAttention:
     """
 
     def __init__(self, pool: KVBlockPool, new_slots: torch.Tensor, blocks: torch.Tensor,
-                 lengths: torch.Tensor, writers: torch.Tensor | None = None) -> None:
+                 lengths: torch.Tensor) -> None:
         self.pool = pool
-        self.new_slots = new_slots  # [W]: where each writing sequence's new K/V go
+        self.new_slots = new_slots  # [B]: where each sequence's new K/V go (a finished one has left the step)
         B, nb = blocks.shape
         self.rows = pool.block_rows(blocks.reshape(B * nb))  # [Hkv * B * nb]: the block tables, per head
         keys = torch.arange(nb * pool.block_size, device=lengths.device)
         self.mask = additive_mask((keys < lengths[:, None])[None, :, None, :], pool.k[0].dtype)  # [1, B, 1, nb * bs]
-        self.writers = writers  # [W]: rows that store their new K/V (None: all of them)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, 1, Hq, D]; k, v: [B, 1, Hkv, D]
         B, _, Hq, D = q.shape
         Hkv = k.shape[2]
-        rows = slice(None) if self.writers is None else self.writers
-        self.pool.write(layer_idx, self.new_slots, k[rows, 0], v[rows, 0])
+        self.pool.write(layer_idx, self.new_slots, k[:, 0], v[:, 0])
         keys, values = self.pool.gather_blocks(layer_idx, self.rows)  # [Hkv, B * nb, bs, D]
         keys, values = keys.view(Hkv, B, -1, D), values.view(Hkv, B, -1, D)  # [Hkv, B, L, D]
         # GQA without copying K/V: the G query heads that share a KV head become G query rows.
