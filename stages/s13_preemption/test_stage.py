@@ -74,8 +74,13 @@ def test_a_roomy_pool_never_preempts_and_a_tight_one_gives_the_same_tokens(enfor
     assert _run(tight, prompts, new_tokens) == expected
     stats = tight.kv_stats()
     assert stats["num_preemptions"] > 0 and stats["recomputed_tokens"] > 0 and stats["kv_usage_peak"] > 0.9
-    _all_free(roomy)
-    _all_free(tight)
+    # Forced: a pool just large enough for the longest request alone (its last token is never written)
+    just = max(-(-(len(p) + n - 1) // BS) for p, n in zip(prompts, new_tokens))
+    forced = s13.InferenceEngine(tiny, max_batch_size=8, block_size=BS, num_kv_blocks=just, enforce_eager=enforce_eager)
+    assert _run(forced, prompts, new_tokens) == expected
+    assert forced.kv_stats()["num_preemptions"] > 0
+    for engine in (roomy, tight, forced):
+        _all_free(engine)
 
 
 def test_a_preempted_stream_gets_every_token_once_in_order(tiny, hf_greedy) -> None:
