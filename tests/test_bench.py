@@ -496,7 +496,7 @@ def test_cli_hands_bench_flags_over_untouched(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(registry, "resolve_stage", lambda stage: f"pkg-{stage}")
-    monkeypatch.setattr(common.bench.harness, "run_stage_bench", lambda pkg, argv: seen.update(pkg=pkg, argv=argv))
+    monkeypatch.setattr(common.bench.harness, "run_stage_bench", lambda pkg, argv, prog=None: seen.update(pkg=pkg, argv=argv))
     assert cli.main(["bench", "--num-requests", "4", "--stage", "2", "--prompt", "a b"]) == 0
     assert seen == {"pkg": "pkg-2", "argv": ["--num-requests", "4", "--prompt", "a b"]}
 
