@@ -198,6 +198,6 @@ step bench-s07 smollm2 90 $RERUN --only s07_admission_knob.cpu
 step rest smollm2 600+ $RERUN --resume --skip stability --skip serve
 step rest-serve smollm2 300+ $RERUN --resume --skip stability
 pack
-echo "gpu_session: $(wc -l <"$DONE") steps done at $(echo "${STAGEWISE_GIT_COMMIT:-unknown}" | cut -c1-10), $((SECONDS - START))s in this call;" \
+echo "gpu_session: $(wc -l <"$DONE") steps done at $(echo "$COMMIT" | cut -c1-10), $((SECONDS - START))s in this call;" \
      "$(ls "$STASH/results" | wc -l) files in $OUT/results.tgz"
 cat "$STASH/logs/summary.txt"
