@@ -44,6 +44,13 @@ def streaming_packages() -> list[str]:
     return [p for p in registry.STAGES.values() if hasattr(registry.load_stage(p), "SchedulerManager")]
 
 
+def burst_packages() -> list[str]:
+    """The streaming stages whose OnlineScheduler admits a burst in one add_requests call (06 on)."""
+    from common import stages as registry
+
+    return [p for p in streaming_packages() if hasattr(registry.load_stage(p).OnlineScheduler, "add_requests")]
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny batches on a shared 2-core box: torch's intra-op threads would only fight over the cores."""

@@ -16,10 +16,10 @@ import pytest
 
 from common import stages as registry
 from common.requests import SamplingParams
-from conftest import streaming_packages
+from conftest import burst_packages, streaming_packages
 
 STREAMING = streaming_packages()
-BURSTS = [p for p in STREAMING if hasattr(registry.load_stage(p).OnlineScheduler, "add_requests")]
+BURSTS = burst_packages()
 ONE_AT_A_TIME = [p for p in STREAMING if p not in BURSTS]
 
 

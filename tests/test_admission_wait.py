@@ -38,6 +38,14 @@ def _record(manager) -> list[str]:
     return events
 
 
+def _record_wakes(manager) -> list[int]:
+    """Log the pending queue's length at every wake of the worker."""
+    wakes: list[int] = []
+    real_set = manager._wakeup.set
+    manager._wakeup.set = lambda: (wakes.append(manager._pending.qsize()), real_set())[1]
+    return wakes
+
+
 def _rounds(events: list[str]) -> int:
     """Admission rounds: runs of admissions with no decode step between them."""
     return sum(1 for i, e in enumerate(events) if e == "admit" and (i == 0 or events[i - 1] == "step"))
@@ -117,9 +125,7 @@ def test_arrivals_wake_the_waiting_worker_only_when_the_batch_is_full(package, t
     # The windows are longer than the result timeout: only the full batch's wake admits in time.
     with _manager(package, tiny, max_queue_delay_ms=600_000, queue_quiet_ms=300_000) as manager:  # batch of 8
         events = _record(manager)
-        wakes: list[int] = []  # the pending queue's length at each wake
-        real_set = manager._wakeup.set
-        manager._wakeup.set = lambda: (wakes.append(manager._pending.qsize()), real_set())[1]
+        wakes = _record_wakes(manager)
         handles = [manager.add_request(PROMPTS[0], max_new_tokens=4, temperature=0.0)]
         _wait_for(lambda: manager._collecting)  # the idle worker now holds admission for the burst
         handles += [manager.add_request(f"{PROMPTS[1]} {i}", max_new_tokens=4, temperature=0.0) for i in range(7)]
@@ -151,9 +157,7 @@ def test_a_burst_is_collected_up_to_what_one_admission_takes(package, tiny):
     with stage.SchedulerManager(engine, max_batch_size=2, prefill_max_batch_size=6, max_queue_delay_ms=600_000,
                                 queue_quiet_ms=300_000) as manager:
         events = _record(manager)
-        wakes: list[int] = []  # the pending queue's length at each wake
-        real_set = manager._wakeup.set
-        manager._wakeup.set = lambda: (wakes.append(manager._pending.qsize()), real_set())[1]
+        wakes = _record_wakes(manager)
         handles = [manager.add_request(PROMPTS[0], max_new_tokens=4, temperature=0.0)]
         _wait_for(lambda: manager._collecting)
         for i in range(5):

@@ -279,6 +279,6 @@ def test_the_bench_refuses_a_time_or_length_that_means_nothing(flags, message) -
 def test_parity_checks_its_stages_before_the_reference_runs(stages, message, monkeypatch) -> None:
     from common.bench import parity
 
-    monkeypatch.setattr(parity, "measure", lambda a: pytest.fail("the reference ran before --stages was checked"))
+    monkeypatch.setattr(parity, "measure", lambda a, stages: pytest.fail("the reference ran before --stages was checked"))
     with pytest.raises(ValueError, match=f"^{message}"):
         parity.main(["--model", "tiny", "--stages", stages])

@@ -13,9 +13,9 @@ import pytest
 
 from common import stages as registry
 from common.requests import SamplingParams
-from conftest import streaming_packages
+from conftest import burst_packages
 
-BURSTS = [p for p in streaming_packages() if hasattr(registry.load_stage(p).OnlineScheduler, "add_requests")]
+BURSTS = burst_packages()
 
 
 @pytest.mark.parametrize("package", BURSTS, ids=registry.short_name)

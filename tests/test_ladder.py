@@ -176,15 +176,21 @@ def test_a_token_difference_fails_the_ladder_in_fp32_only(dtype, fails) -> None:
     assert ladder.failed_engines(data) == ["s09_batched_worker_lookups", *fails]  # a crash fails in any dtype
 
 
+def _three_prompts() -> tuple[list[list[int]], list]:
+    """Three prompts of token ids, 31 tokens in all, and their greedy requests (3 new tokens each)."""
+    from common.requests import Request, SamplingParams
+
+    prompts = [[100 + i for i in range(n)] for n in (5, 9, 17)]
+    return prompts, [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=3, stop_on_eos=False))
+                     for p in prompts]
+
+
 def test_a_rungs_kv_counters_are_its_last_runs(tiny) -> None:
     """A rung's engine serves its warmup and every repeat: its counters (prefix-cache queries,
     preemptions, ...) would add up over all of them; the entry keeps one run's, as the bench does."""
-    from common.requests import Request, SamplingParams
-
     stage = registry.load_stage("stages.s10_block_prefix_cache")
     rung = ladder_rungs.Engine("s10", "s10", lambda: stage.InferenceEngine(tiny, max_batch_size=4))
-    prompts = [[100 + i for i in range(n)] for n in (5, 9, 17)]
-    requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=3, stop_on_eos=False)) for p in prompts]
+    prompts, requests = _three_prompts()
     ladder_rungs.run_all([rung], requests, argparse.Namespace(warmup_runs=1, repeat_runs=2))
     assert rung.error is None and len(rung.summaries) == 2
     assert rung.kv["prefix_cache_query_tokens"] == sum(map(len, prompts))  # one run's prompts, not three runs'
@@ -193,11 +199,9 @@ def test_a_rungs_kv_counters_are_its_last_runs(tiny) -> None:
 
 def test_the_bench_with_a_reused_engine_keeps_its_last_runs_kv_counters(tiny) -> None:
     from common.bench import engines
-    from common.requests import Request, SamplingParams
 
     stage = registry.load_stage("stages.s10_block_prefix_cache")
     spec = engines.EngineSpec("s10", lambda: stage.InferenceEngine(tiny, max_batch_size=4))
-    prompts = [[100 + i for i in range(n)] for n in (5, 9, 17)]
-    requests = [Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=3, stop_on_eos=False)) for p in prompts]
+    prompts, requests = _three_prompts()
     engines.run_engines([spec], lambda s: engines.run_offline_once(s, requests), requests, 1, 2, fresh_engine=False)
     assert spec.kv["prefix_cache_query_tokens"] == sum(map(len, prompts))

@@ -125,9 +125,10 @@ def kv_of_run(engine: Any, before: dict | None) -> dict | None:
     if not hasattr(engine, "kv_stats"):
         return None
     kv = engine.kv_stats()
-    for name in KV_COUNTERS:
-        if before is not None and isinstance(kv.get(name), (int, float)) and isinstance(before.get(name), (int, float)):
-            kv[name] -= before[name]
+    if before is not None:  # the same engine's stats: the same keys
+        for name in KV_COUNTERS:
+            if name in kv:
+                kv[name] -= before[name]
     return kv
 
 

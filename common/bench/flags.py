@@ -259,8 +259,9 @@ def check_workload_flags(args: argparse.Namespace) -> None:
     """What build_workload would refuse (naming its arguments) once a tokenizer is loaded, named
     here by flag, before any weights load."""
     for name in ("prompt_len_min", "prompt_len_max"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
     if (args.prompt_len_min is None) != (args.prompt_len_max is None):
         args.prompt_len_min = args.prompt_len_max = args.prompt_len_min or args.prompt_len_max
     if args.shared_prefix_len and args.prompt_len_min is not None and args.prompt_len_min <= args.shared_prefix_len:

@@ -113,7 +113,7 @@ def compare(outputs: list[list[int]], reference: list[list[int]], prompts: list[
             "max_margin_at_difference": max(margins) if margins else None, "differences": rows}
 
 
-def measure(a: argparse.Namespace) -> dict:
+def measure(a: argparse.Namespace, stages: list[int]) -> dict:
     from common import stages as registry
     from common.bench.knobs import accepted
     from common.bench.hf_baseline import HFGenerateEngine
@@ -134,7 +134,7 @@ def measure(a: argparse.Namespace) -> dict:
     print(f"reference: transformers generate, {len(prompts)} prompts one at a time ({time.perf_counter() - t0:.1f} s)",
           flush=True)
     entries = {}
-    for n in a.stage_numbers:
+    for n in stages:
         package = registry.stage_package(n)
         module = importlib.import_module(package)
         engine = module.InferenceEngine(loaded, **accepted(module.InferenceEngine, {"max_batch_size": a.max_batch_size}))
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.max_new_tokens < 1 or a.max_batch_size < 1 or a.random_prompts < 0:
         raise ValueError("--max-new-tokens and --max-batch-size must be >= 1, --random-prompts >= 0")
-    a.stage_numbers = stage_numbers(a.stages)  # before the reference runs: a typo costs no minutes
+    stages = stage_numbers(a.stages)  # before the reference runs: a typo costs no minutes
     torch.manual_seed(a.seed)
-    result = measure(a)
+    result = measure(a, stages)
     from common.bench.results import print_and_write
     return print_and_write("parity", result, format_parity(result), a.json, argv)
 

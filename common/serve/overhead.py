@@ -39,6 +39,7 @@ from common.bench.results import write_json
 from common.commands import add_model_args, run_command
 
 TARGETS = {"throughput_loss_pct": 10.0, "ttft_p50_added_ms": 5.0}
+QUIET_MS = 50.0  # the idle worker's quiet window on both sides, when a queue delay is on (below)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --max-batch-size), which ends the wait. Requests that arrive at a rate are admitted as they
     # come, as `stagewise serve` does by default: the wait is off then.
     p.add_argument("--max-queue-delay-ms", type=float, default=None, help="0: off (default: 200 for a burst, 0 at a rate)")
-    p.add_argument("--queue-quiet-ms", type=float, default=50.0)
+    p.add_argument("--queue-quiet-ms", type=float, default=QUIET_MS)
     p.add_argument("--warmup-runs", type=int, default=1, help="per side")
     p.add_argument("--repeat-runs", type=int, default=3, help="pairs of runs (one per side)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.serve.bench import check_run_args
     check_run_args(a)  # the workload bench-serve will get (runs, size, rate), before the model loads
     a.max_queue_delay_ms = queue_delay_ms(a)  # the JSON's config records the wait used
-    if not a.max_queue_delay_ms and a.queue_quiet_ms != build_parser().get_default("queue_quiet_ms"):
+    if not a.max_queue_delay_ms and a.queue_quiet_ms != QUIET_MS:
         raise ValueError("--queue-quiet-ms: only with a queue delay (a burst's, or --max-queue-delay-ms > 0); "
                          "at a rate there is none")
     burst = _is_burst(a)
