@@ -99,6 +99,21 @@ def test_offline_generate_in_bf16_agrees_with_transformers_bf16(stage, tiny_bf16
     _check_kv_dtype(engine, tiny_bf16.config, [prompts[i:i + 4] for i in range(0, len(prompts), 4)])
 
 
+@pytest.mark.parametrize("stage", [s for s in STAGE_DIRS if s >= "s03"])  # the paged stages' DecodeAttention
+def test_written_out_decode_attention_in_bf16_agrees_with_transformers_bf16(stage, tiny_bf16, prompts_and_reference,
+                                                                            monkeypatch):
+    """`decode_attention` writes bf16 attention out only over large K/V rectangles, which `tiny`'s
+    batches of four never reach: with its threshold at 0 every decode step takes that path."""
+    from common import model
+
+    monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", 0)
+    prompts, reference, hf = prompts_and_reference
+    engine = stage_module(stage).InferenceEngine(tiny_bf16, max_batch_size=4)
+    completions = engine.generate([Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
+                                   for p in prompts])
+    assert _not_ties([c.token_ids for c in completions], prompts, reference, hf) == [], stage
+
+
 @pytest.mark.parametrize("package", streaming_packages())
 def test_streaming_in_bf16_through_the_scheduler_manager(package, tiny_bf16, prompts_and_reference):
     """The server's path: the worker thread, streamed chunks, seeded sampling, all in bf16."""

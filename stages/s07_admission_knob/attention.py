@@ -4,7 +4,7 @@ Prefill: a prompt's K/V are all new, so attention is ordinary causal attention o
 they are also written into the sequence's blocks — for several prompts at once, padded. Decode: each sequence of the batch adds
 one token and attends over its own cached tokens, read through its block table: its blocks
 are copied into a buffer that is reused every layer and every step, padded to the longest
-sequence of the batch and masked by length, and one SDPA call does the rest.
+sequence of the batch and masked by length, and one attention call does the rest.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.model import additive_mask
+from common.model import additive_mask, decode_attention
 
 from .kv_cache import KVBlockPool
 
@@ -49,7 +49,8 @@ class DecodeAttention:
 
     Per layer: store the new K/V at their slots, copy every sequence's blocks into one reused
     buffer (`KVBlockPool.gather_blocks`: block tables padded to the longest, so the buffer is a
-    `[Hkv, B, nb * block_size, D]` rectangle), then one SDPA call with a length mask. Everything
+    `[Hkv, B, nb * block_size, D]` rectangle), then one attention call with a length mask
+    (`decode_attention`: SDPA, or in bf16 on a CPU its math in two matmuls). Everything
     that is the same for all layers — the flat block list, the mask — is built once per step (the
     mask as SDPA's additive one: given booleans, SDPA would convert them in every layer).
     """
@@ -74,5 +75,5 @@ class DecodeAttention:
         keys, values = keys.view(Hkv, B, -1, D), values.view(Hkv, B, -1, D)  # [Hkv, B, L, D]
         # GQA without copying K/V: the G query heads that share a KV head become G query rows.
         qh = q.view(B, Hkv, Hq // Hkv, D).transpose(0, 1)  # [Hkv, B, G, D]
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self.mask)  # [Hkv, B, G, D]
+        out = decode_attention(qh, keys, values, self.mask)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(B, 1, Hq, D)

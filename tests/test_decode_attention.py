@@ -1,0 +1,64 @@
+"""`common.model.decode_attention`: SDPA, or in bf16 on a CPU over a large K/V rectangle the same
+math written out (two batched matmuls around a softmax), which ran there in half SDPA's time.
+
+fp32 must not change at all (its tokens are transformers', bit for bit), nor bf16 below the
+threshold; above it the output is SDPA's up to bf16 rounding, as transformers' own eager bf16
+attention is. The engines' tokens on that path are checked in tests/test_bf16.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from common import model
+from common.model import additive_mask, decode_attention
+
+
+def _inputs(rows: int, keys: int, dtype: torch.dtype, seed: int = 0):
+    """q [Hkv, B, G, D], K/V [Hkv, B, L, D] and a length mask: row b sees its first 1..L keys."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(3, rows, n, 64, generator=g).to(dtype) for n in (3, keys, keys))
+    lengths = torch.randint(1, keys + 1, (rows,), generator=g)
+    mask = additive_mask((torch.arange(keys) < lengths[:, None])[None, :, None, :], dtype)  # [1, B, 1, L]
+    return q, k, v, mask
+
+
+def _ops(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("dtype,rows,keys", [(torch.float32, 64, 80), (torch.float32, 2, 10),
+                                             (torch.bfloat16, 2, 10), (torch.bfloat16, 8, 80)])
+def test_fp32_and_small_bf16_rectangles_are_sdpa_bit_for_bit(dtype, rows, keys) -> None:
+    q, k, v, mask = _inputs(rows, keys, dtype)
+    assert torch.equal(decode_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert "aten::scaled_dot_product_attention" in _ops(lambda: decode_attention(q, k, v, mask))
+
+
+@pytest.mark.parametrize("rows,keys", [(16, 64), (64, 80), (5, 300)])
+def test_a_large_bf16_rectangle_is_written_out_and_agrees_up_to_rounding(rows, keys) -> None:
+    assert rows * keys >= model.DECODE_MATMUL_MIN_KEYS
+    q, k, v, mask = _inputs(rows, keys, torch.bfloat16, seed=rows)
+    out = decode_attention(q, k, v, mask)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    ops = _ops(lambda: decode_attention(q, k, v, mask))
+    assert "aten::scaled_dot_product_attention" not in ops and "aten::bmm" in ops
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float())
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float()
+    # bf16 keeps 8 significant bits: both forms sit within a few of its steps of the exact output,
+    # and the written-out one about as far as SDPA's own bf16 kernel
+    assert (out.float() - exact).abs().max() < 0.05
+    assert (out.float() - exact).abs().mean() < 2 * (sdpa - exact).abs().mean() + 1e-3
+
+
+def test_a_masked_key_gets_no_weight_on_the_written_out_path() -> None:
+    """The mask is what keeps a row off the padding of the rectangle (other rows' lengths)."""
+    q, k, v, mask = _inputs(32, 64, torch.bfloat16)
+    row_len = int((mask[0, 0, 0] == 0).sum())
+    poisoned = v.clone()
+    poisoned[:, 0, row_len:] = 1e4  # what row 0 must never read
+    assert torch.equal(decode_attention(q, k, poisoned, mask)[:, 0], decode_attention(q, k, v, mask)[:, 0])
