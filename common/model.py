@@ -60,8 +60,9 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 # Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
-# (`decode_attention`): below it SDPA was as fast or faster (a Zen 4 with AVX512-BF16: 8 rows of 80
-# keys 1.13x, 4 of 320 0.95x, 16 of 80 1.08x the matmuls' time; 32 of 80 and up about 2x).
+# (`decode_attention`). Around it both ways cost about the same on a Zen 4 with AVX512-BF16 (the
+# matmuls took 1.13x SDPA's time at 8 rows of 80 keys, 1.08x at 16 of 80, 0.95x at 4 of 320);
+# from 32 rows of 80 keys on, about half.
 DECODE_MATMUL_MIN_KEYS = 1024
 
 
@@ -70,12 +71,12 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     `mask` additive (`additive_mask`), broadcastable to [Hkv, B, G, L] -> [Hkv, B, G, D].
 
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
-    which works in blocks of one sequence and one head at a time and repacks each block's K/V
-    for bf16) took twice as long as the same math written out: two batched matmuls around a
-    softmax, each over the whole rectangle in one call (0.51 against 0.25 ms a layer at 64 rows
-    of 80 keys, 2.1 against 0.95 at 64 of 320). The written-out form is transformers' eager
-    attention in bf16: scores rounded to bf16, the softmax accumulated in fp32, probabilities in
-    bf16. fp32 always takes SDPA, so its tokens are what they were (transformers', bit for bit)."""
+    which works through the rectangle one sequence and one head at a time) took twice as long as
+    the same math written out: two batched matmuls around a softmax, each over the whole
+    rectangle in one call (0.51 against 0.25 ms a layer at 64 rows of 80 keys, 2.1 against 0.95
+    at 64 of 320, in a micro-benchmark). The written-out form is transformers' eager attention in
+    bf16: scores rounded to bf16, the softmax accumulated in fp32, probabilities in bf16. fp32
+    always takes SDPA, so its tokens are what they were (transformers', bit for bit)."""
     Hkv, B, L, D = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(mask)  # [Hkv, B, G, L]
