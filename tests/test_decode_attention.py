@@ -57,8 +57,10 @@ def test_a_large_bf16_rectangle_is_written_out_and_agrees_up_to_rounding(rows, k
 
 def test_a_masked_key_gets_no_weight_on_the_written_out_path() -> None:
     """The mask is what keeps a row off the padding of the rectangle (other rows' lengths)."""
-    q, k, v, mask = _inputs(32, 64, torch.bfloat16)
-    row_len = int((mask[0, 0, 0] == 0).sum())
+    q, k, v, _ = _inputs(32, 64, torch.bfloat16)
+    lengths = torch.full((32,), 64)
+    lengths[0] = 20  # row 0 is the short one; the rectangle is as wide as the others
+    mask = additive_mask((torch.arange(64) < lengths[:, None])[None, :, None, :], torch.bfloat16)
     poisoned = v.clone()
-    poisoned[:, 0, row_len:] = 1e4  # what row 0 must never read
+    poisoned[:, 0, 20:] = 1e4  # what row 0 must never read
     assert torch.equal(decode_attention(q, k, poisoned, mask)[:, 0], decode_attention(q, k, v, mask)[:, 0])
