@@ -13,10 +13,11 @@ weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x fas
 `F.linear` there for decode-sized inputs), except at the few rows where this machine runs
 `F.linear` faster, which the model measures once at load.
 
-One run-time choice too: our eager forwards keep SDPA off its cuDNN backend (`cudnn_attention`).
-On an H200 the eager steps ran several times slower with it, and they bring new shapes all the
-time (the batch grows, the gathered K/V widens, a prompt chunk has its own length), which cuDNN
-may plan one by one. A forward captured into a CUDA graph (`captured=True`) has one shape,
+Two run-time choices too. The paged stages' decode attention is SDPA, or in bf16 on a CPU over a
+large K/V rectangle the same math written out (`decode_attention`). And our eager forwards keep
+SDPA off its cuDNN backend (`cudnn_attention`): on an H200 the eager steps ran several times
+slower with it, and they bring new shapes all the time (the batch grows, the gathered K/V
+widens, a prompt chunk has its own length), which cuDNN may plan one by one. A forward captured into a CUDA graph (`captured=True`) has one shape,
 planned once at capture, and may use it (`cudnn_attention_captured`).
 """
 
@@ -60,9 +61,8 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 # Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
-# (`decode_attention`). Around it both ways cost about the same on a Zen 4 with AVX512-BF16 (the
-# matmuls took 1.13x SDPA's time at 8 rows of 80 keys, 1.08x at 16 of 80, 0.95x at 4 of 320);
-# from 32 rows of 80 keys on, about half.
+# (`decode_attention`): below it SDPA was the faster (scripts/decode_attention_bench.py, on a Zen 4
+# with AVX512-BF16; its result is in docs/results/questions/decode-matmul-attention/).
 DECODE_MATMUL_MIN_KEYS = 1024
 
 
@@ -71,12 +71,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     `mask` additive (`additive_mask`), broadcastable to [Hkv, B, G, L] -> [Hkv, B, G, D].
 
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
-    which works through the rectangle one sequence and one head at a time) took twice as long as
-    the same math written out: two batched matmuls around a softmax, each over the whole
-    rectangle in one call (0.51 against 0.25 ms a layer at 64 rows of 80 keys, 2.1 against 0.95
-    at 64 of 320, in a micro-benchmark). The written-out form is transformers' eager attention in
-    bf16: scores rounded to bf16, the softmax accumulated in fp32, probabilities in bf16. fp32
-    always takes SDPA, so its tokens are what they were (transformers', bit for bit)."""
+    which works through the rectangle one sequence and one head at a time) took longer than the
+    same math written out, up to almost three times as long: two batched matmuls around a
+    softmax, each over the whole rectangle in one call (`scripts/decode_attention_bench.py`, on a Zen 4 with
+    AVX512-BF16; not yet measured on a CPU with AMX). The written-out form is transformers' eager
+    attention in bf16: scores rounded to bf16, the softmax accumulated in fp32, probabilities in
+    bf16. Each row must see at least one key (a row of -inf scores would be NaN here, 0 in SDPA):
+    every decode row does, its own new token. fp32 always takes SDPA, so its tokens are what they
+    were (transformers', bit for bit)."""
     Hkv, B, L, D = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(mask)  # [Hkv, B, G, L]

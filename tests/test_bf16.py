@@ -106,11 +106,15 @@ def test_written_out_decode_attention_in_bf16_agrees_with_transformers_bf16(stag
     batches of four never reach: with its threshold at 0 every decode step takes that path."""
     from common import model
 
+    from torch.profiler import ProfilerActivity, profile
+
     monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", 0)
     prompts, reference, hf = prompts_and_reference
     engine = stage_module(stage).InferenceEngine(tiny_bf16, max_batch_size=4)
-    completions = engine.generate([Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
-                                   for p in prompts])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        completions = engine.generate([Request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=MAX_NEW))
+                                       for p in prompts])
+    assert "aten::bmm" in {e.key for e in prof.key_averages()}, "no decode step took the written-out path"
     assert _not_ties([c.token_ids for c in completions], prompts, reference, hf) == [], stage
 
 

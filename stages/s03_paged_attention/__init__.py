@@ -3,7 +3,8 @@
 Stage 02 reserved a contiguous `[B, longest + max_new]` cache per batch, so short rows paid
 for the longest one. Here each request is an `InferenceSession` owning a block table into a
 shared `KVBlockPool`; it takes a block only when its last one is full, and decode copies each
-session's blocks into one reused buffer and calls SDPA once per layer. Still static batching.
+session's blocks into one reused buffer and attends over it in one call per layer. Still static
+batching.
 Touches engine.py, attention.py and kv_cache.py; adds session.py.
 """
 

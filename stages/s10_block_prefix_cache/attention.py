@@ -86,7 +86,8 @@ class DecodeAttention:
     Per layer: store the new K/V at their slots, copy every sequence's blocks into one reused
     buffer (`KVBlockPool.gather_blocks`: block tables padded to the longest, so the buffer is a
     `[Hkv, B, nb * block_size, D]` rectangle), then one attention call with a length mask
-    (`decode_attention`: SDPA, or in bf16 on a CPU its math in two matmuls). Everything
+    (`decode_attention`: SDPA, or in bf16 on a CPU over a large rectangle its math in two
+    matmuls). Everything
     that is the same for all layers — the flat block list, the mask — is built once per step (the
     mask as SDPA's additive one: given booleans, SDPA would convert them in every layer).
     """
