@@ -65,3 +65,25 @@ def test_a_masked_key_gets_no_weight_on_the_written_out_path() -> None:
     poisoned = v.clone()
     poisoned[:, 0, 20:] = 1e4  # what row 0 must never read
     assert torch.equal(decode_attention(q, k, poisoned, mask)[:, 0], decode_attention(q, k, v, mask)[:, 0])
+
+
+def test_the_micro_benchmark_writes_both_forms_for_every_shape(tmp_path) -> None:
+    """scripts/decode_attention_bench.py, whose result the threshold and the docs cite."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_attention_bench.py"
+    spec = importlib.util.spec_from_file_location("decode_attention_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--rounds", "2", "--min-time-s", "0.001", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["rows"], r["keys"]) for r in result["shapes"]] == bench.SHAPES
+    for r in result["shapes"]:
+        assert r["sdpa_ms"] > 0 and r["written_out_ms"] > 0
+        assert r["written_out_vs_sdpa"] == pytest.approx(r["written_out_ms"] / r["sdpa_ms"])
+        assert len(r["samples_ms"]["sdpa"]) == len(r["samples_ms"]["written_out"]) == 2
+    assert result["dtype"] == "bfloat16" and result["command"].startswith("python scripts/decode_attention_bench.py")
+    assert "cpu_capability" in result["env"]  # where it ran (commit, versions, CPU), as every result says
