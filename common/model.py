@@ -17,8 +17,9 @@ Two run-time choices too. The paged stages' decode attention is SDPA, or in bf16
 large K/V rectangle the same math written out (`decode_attention`). And our eager forwards keep
 SDPA off its cuDNN backend (`cudnn_attention`): on an H200 the eager steps ran several times
 slower with it, and they bring new shapes all the time (the batch grows, the gathered K/V
-widens, a prompt chunk has its own length), which cuDNN may plan one by one. A forward captured into a CUDA graph (`captured=True`) has one shape,
-planned once at capture, and may use it (`cudnn_attention_captured`).
+widens, a prompt chunk has its own length), which cuDNN may plan one by one. A forward captured
+into a CUDA graph (`captured=True`) has one shape, planned once at capture, and may use it
+(`cudnn_attention_captured`).
 """
 
 from __future__ import annotations
@@ -72,18 +73,24 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
     which works through the rectangle one sequence and one head at a time) took longer than the
-    same math written out, up to almost three times as long: two batched matmuls around a
-    softmax, each over the whole rectangle in one call (`scripts/decode_attention_bench.py`, on a Zen 4 with
-    AVX512-BF16; not yet measured on a CPU with AMX). The written-out form is transformers' eager
-    attention in bf16: scores rounded to bf16, the softmax accumulated in fp32, probabilities in
-    bf16. Each row must see at least one key (a row of -inf scores would be NaN here, 0 in SDPA):
-    every decode row does, its own new token. fp32 always takes SDPA, so its tokens are what they
-    were (transformers', bit for bit)."""
-    Hkv, B, L, D = k.shape
+    same math written out (`written_out_attention`), up to almost three times as long
+    (`scripts/decode_attention_bench.py`, on a Zen 4 with AVX512-BF16; not yet measured on a CPU
+    with AMX). fp32 always takes SDPA, so its tokens are what they were (transformers', bit for
+    bit)."""
+    _, B, L, _ = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(mask)  # [Hkv, B, G, L]
-        return torch.matmul(scores.softmax(-1), v)  # [Hkv, B, G, D]
+        return written_out_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def written_out_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA's math as two batched matmuls around a softmax, each over the whole rectangle in one
+    call; the shapes are `decode_attention`'s. In bf16 this is transformers' eager attention:
+    scores rounded to bf16, the softmax accumulated in fp32, probabilities in bf16. Each row must
+    see at least one key (a row of -inf scores would be NaN here, 0 in SDPA): every decode row
+    does, its own new token."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(mask)  # [Hkv, B, G, L]
+    return torch.matmul(scores.softmax(-1), v)  # [Hkv, B, G, D]
 
 
 class RMSNorm(nn.Module):

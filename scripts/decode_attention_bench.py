@@ -1,10 +1,12 @@
-"""SDPA against the written-out form of `common.model.decode_attention`, over decode-shaped K/V
-rectangles, in one process, alternated: the micro-benchmark behind `DECODE_MATMUL_MIN_KEYS`.
+"""SDPA against `common.model.written_out_attention` (what `decode_attention` runs in bf16 on a CPU
+over a large rectangle), over decode-shaped K/V rectangles, in one process, alternated: the
+micro-benchmark behind `DECODE_MATMUL_MIN_KEYS`.
 
     python scripts/decode_attention_bench.py --dtype bfloat16 --json FILE
 
 SmolLM2-135M's shapes: 3 KV heads, 3 query heads each, head size 64. For each rectangle (rows x
-keys), each form's median over rounds of ms a call (one call is one layer of a decode step).
+keys), each form's median over rounds of its median ms a call (one call is one layer of a decode
+step).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,18 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.bench.envinfo import collect_env  # noqa: E402
+from common.bench.floor import median_ms  # noqa: E402
+from common.model import written_out_attention  # noqa: E402
 
 SHAPES = [(4, 80), (8, 80), (16, 80), (32, 80), (64, 80), (4, 320), (16, 320), (64, 320), (16, 1024), (64, 1024)]
-
-
-def ms_per_call(fn, min_time_s: float) -> float:
-    for _ in range(5):
-        fn()
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < min_time_s:
-        fn()
-        n += 1
-    return elapsed / n * 1000.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,20 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         k, v = (torch.randn(Hkv, B, L, D, generator=g).to(dtype) for _ in range(2))
         mask = torch.zeros(1, B, 1, L, dtype=dtype)
 
-        def sdpa():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-        def written_out():
-            scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(mask)
-            return torch.matmul(scores.softmax(-1), v)
-
+        forms = (("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+                 ("written_out", lambda: written_out_attention(q, k, v, mask)))
         times: dict[str, list[float]] = {"sdpa": [], "written_out": []}
         for r in range(a.rounds):  # alternated, the order flipped each round
-            for name, fn in (("sdpa", sdpa), ("written_out", written_out))[:: 1 if r % 2 == 0 else -1]:
-                times[name].append(ms_per_call(fn, a.min_time_s))
+            for name, fn in forms[:: 1 if r % 2 == 0 else -1]:
+                times[name].append(median_ms(fn, torch.device("cpu"), warmup=5, repeats=10, min_time_s=a.min_time_s))
         s, w = statistics.median(times["sdpa"]), statistics.median(times["written_out"])
         rows.append({"rows": B, "keys": L, "sdpa_ms": s, "written_out_ms": w, "written_out_vs_sdpa": w / s,
-                     "samples_ms": {k: [round(t, 4) for t in ts] for k, ts in times.items()}})
+                     "samples_ms": {name: [round(t, 4) for t in ts] for name, ts in times.items()}})
         print(f"{B:4d} rows x {L:5d} keys  SDPA {s:7.3f} ms  written out {w:7.3f} ms  {w / s:5.2f}x")
     if a.json:
         result = {"kind": "decode-attention-bench", "dtype": a.dtype, "threads": torch.get_num_threads(),

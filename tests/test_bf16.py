@@ -104,9 +104,9 @@ def test_written_out_decode_attention_in_bf16_agrees_with_transformers_bf16(stag
                                                                             monkeypatch):
     """`decode_attention` writes bf16 attention out only over large K/V rectangles, which `tiny`'s
     batches of four never reach: with its threshold at 0 every decode step takes that path."""
-    from common import model
-
     from torch.profiler import ProfilerActivity, profile
+
+    from common import model
 
     monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", 0)
     prompts, reference, hf = prompts_and_reference

@@ -72,10 +72,10 @@ def matmul_floor_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, repe
         for x, (w, b, pw, unpacked_rows) in zip(inputs, mats):
             linear(x, w, b, pw if packed else None, unpacked_rows)
 
-    return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
+    return median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
 
 
-def _median_ms(step: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
+def median_ms(step: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
                min_time_s: float = 0.0) -> float:
     """Median wall time (ms) of `step()` after `warmup` untimed calls: at least `repeats` timed
     calls, more until `min_time_s` has passed (at most 100x `repeats`); each waits for the device."""
@@ -109,7 +109,7 @@ def read_floor_ms(nbytes: int, dtype: torch.dtype, device: torch.device, *, repe
         raise ValueError("nbytes and repeats: must be >= 1")
     element = torch.empty((), dtype=dtype).element_size()
     buf = torch.ones(max(1, nbytes // element), dtype=dtype, device=device)
-    return _median_ms(buf.sum, device, warmup=2, repeats=repeats)
+    return median_ms(buf.sum, device, warmup=2, repeats=repeats)
 
 
 def _no_attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -140,7 +140,7 @@ def attention_free_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, re
     def step() -> None:
         greedy_pick(model(ids, positions, _no_attention, logits_indices=first).float())  # [B], as sample_tokens picks
 
-    return _median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
+    return median_ms(step, device, warmup=warmup, repeats=repeats, min_time_s=min_time_s)
 
 
 @contextlib.contextmanager
