@@ -62,8 +62,9 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 # Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
-# (`decode_attention`): below it SDPA was the faster (scripts/decode_attention_bench.py, on a Zen 4
-# with AVX512-BF16; its result is in docs/results/questions/decode-matmul-attention/).
+# (`decode_attention`): below it SDPA was the faster, around it the two cost about the same
+# (scripts/decode_attention_bench.py, on a Zen 4 with AVX512-BF16; its result is in
+# docs/results/questions/decode-matmul-attention/).
 DECODE_MATMUL_MIN_KEYS = 1024
 
 
@@ -73,7 +74,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
     which works through the rectangle one sequence and one head at a time) took longer than the
-    same math written out (`written_out_attention`), up to almost three times as long
+    same math written out (`written_out_attention`), over twice as long at 64 rows
     (`scripts/decode_attention_bench.py`, on a Zen 4 with AVX512-BF16; not yet measured on a CPU
     with AMX). fp32 always takes SDPA, so its tokens are what they were (transformers', bit for
     bit)."""
