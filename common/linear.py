@@ -98,6 +98,12 @@ def _packing_works(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def cpu_has_amx() -> bool:
+    """Does this CPU have AMX tiles (Intel Xeon since Sapphire Rapids)? They multiply bf16 matrices
+    whole tiles at a time; oneDNN's kernels use them, SDPA's bf16 CPU kernel included."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())  # private, so looked up
+
+
 def cpu_has_bf16_units() -> bool:
     """Does this CPU multiply bf16 in hardware? x86: AVX512-BF16 or AMX tiles (Intel since Cooper
     Lake / Sapphire Rapids, AMD since Zen 4); Arm: the BF16 extension (Graviton 3, Neoverse V1+).
@@ -105,10 +111,8 @@ def cpu_has_bf16_units() -> bool:
     Why it matters: there oneDNN runs a bf16 matmul at twice fp32's rate or more, on half the
     bytes; elsewhere bf16 is emulated and slower than fp32. (oneDNN's own "bf16 supported" check
     on x86 says yes to any AVX-512 CPU, emulation included, so it is asked on Arm only.)"""
-    cpu = torch.cpu
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):  # private, so looked up
-        if getattr(cpu, probe, lambda: False)():
-            return True
+    if cpu_has_amx() or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():  # private, so looked up
+        return True
     if platform.machine().lower() in ("aarch64", "arm64") and torch.backends.mkldnn.is_available():
         try:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .checkpoint import gpt2_state_dict, llama_state_dict, read_safetensors
 from .config import ModelConfig
-from .linear import f_linear_rows_setting, linear, pack, rows_for_f_linear
+from .linear import cpu_has_amx, f_linear_rows_setting, linear, pack, rows_for_f_linear
 
 
 class Attention(Protocol):
@@ -63,9 +63,10 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 # Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
 # (`decode_attention`): below it SDPA was the faster, around it the two cost about the same
-# (scripts/decode_attention_bench.py, on a Zen 4 with AVX512-BF16; its result is in
-# docs/results/questions/decode-matmul-attention/).
-DECODE_MATMUL_MIN_KEYS = 1024
+# (scripts/decode_attention_bench.py; its results are in docs/results/questions/decode-matmul-attention/).
+# Where that is depends on the CPU: on a Zen 4 with AVX512-BF16, about a thousand; on a Xeon with
+# AMX, whose tiles SDPA's kernel uses too, about thirty thousand (64 rows x 512 keys).
+DECODE_MATMUL_MIN_KEYS = 32768 if cpu_has_amx() else 1024
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -74,10 +75,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
     which works through the rectangle one sequence and one head at a time) took longer than the
-    same math written out (`written_out_attention`), over twice as long at 64 rows
-    (`scripts/decode_attention_bench.py`, on a Zen 4 with AVX512-BF16; not yet measured on a CPU
-    with AMX). fp32 always takes SDPA, so its tokens are what they were (transformers', bit for
-    bit)."""
+    same math written out (`written_out_attention`): over twice as long at 64 rows on a Zen 4
+    with AVX512-BF16; on a Xeon with AMX only from larger rectangles on
+    (`scripts/decode_attention_bench.py`). fp32 always takes SDPA, so its tokens are what they
+    were (transformers', bit for bit)."""
     _, B, L, _ = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:
         return written_out_attention(q, k, v, mask)

@@ -26,7 +26,8 @@ from common.bench.envinfo import collect_env  # noqa: E402
 from common.bench.floor import median_ms  # noqa: E402
 from common.model import written_out_attention  # noqa: E402
 
-SHAPES = [(4, 80), (8, 80), (16, 80), (32, 80), (64, 80), (4, 320), (16, 320), (64, 320), (16, 1024), (64, 1024)]
+SHAPES = [(4, 80), (8, 80), (16, 80), (32, 80), (64, 80), (4, 320), (16, 320), (64, 320), (16, 1024), (64, 1024),
+          (64, 512), (32, 1024), (64, 2048)]  # the last three: where a CPU with AMX crosses over
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,7 @@
 """`common.model.decode_attention`: SDPA, or in bf16 on a CPU over a large K/V rectangle the same
 math written out (two batched matmuls around a softmax), which ran there in half SDPA's time.
+How large depends on the CPU (`DECODE_MATMUL_MIN_KEYS`: 1,024 rows x keys without AMX, 32,768
+with), so each test sets the threshold it exercises and runs the same on either kind of CPU.
 
 fp32 must not change at all (its tokens are transformers', bit for bit), nor bf16 below the
 threshold; above it the output is SDPA's up to bf16 rounding, as transformers' own eager bf16
@@ -31,17 +33,20 @@ def _ops(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("dtype,rows,keys", [(torch.float32, 64, 80), (torch.float32, 2, 10),
-                                             (torch.bfloat16, 2, 10), (torch.bfloat16, 8, 80)])
-def test_fp32_and_small_bf16_rectangles_are_sdpa_bit_for_bit(dtype, rows, keys) -> None:
+@pytest.mark.parametrize("dtype,rows,keys,threshold", [
+    (torch.float32, 64, 80, 1024), (torch.float32, 2, 10, 1024), (torch.bfloat16, 2, 10, 1024),
+    (torch.bfloat16, 8, 80, 1024), (torch.bfloat16, 64, 320, 32768)])  # the last: AMX's threshold
+def test_fp32_and_small_bf16_rectangles_are_sdpa_bit_for_bit(monkeypatch, dtype, rows, keys, threshold) -> None:
+    monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", threshold)
     assert dtype == torch.float32 or rows * keys < model.DECODE_MATMUL_MIN_KEYS
     q, k, v, mask = _inputs(rows, keys, dtype)
     assert torch.equal(decode_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     assert "aten::scaled_dot_product_attention" in _ops(lambda: decode_attention(q, k, v, mask))
 
 
-@pytest.mark.parametrize("rows,keys", [(16, 64), (64, 80), (5, 300)])
-def test_a_large_bf16_rectangle_is_written_out_and_agrees_up_to_rounding(rows, keys) -> None:
+@pytest.mark.parametrize("rows,keys,threshold", [(16, 64, 1024), (64, 80, 1024), (5, 300, 1024), (64, 512, 32768)])
+def test_a_large_bf16_rectangle_is_written_out_and_agrees_up_to_rounding(monkeypatch, rows, keys, threshold) -> None:
+    monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", threshold)
     assert rows * keys >= model.DECODE_MATMUL_MIN_KEYS
     q, k, v, mask = _inputs(rows, keys, torch.bfloat16, seed=rows)
     out = decode_attention(q, k, v, mask)
@@ -56,8 +61,9 @@ def test_a_large_bf16_rectangle_is_written_out_and_agrees_up_to_rounding(rows, k
     assert (out.float() - exact).abs().mean() < 2 * (sdpa - exact).abs().mean() + 1e-3
 
 
-def test_a_masked_key_gets_no_weight_on_the_written_out_path() -> None:
+def test_a_masked_key_gets_no_weight_on_the_written_out_path(monkeypatch) -> None:
     """The mask is what keeps a row off the padding of the rectangle (other rows' lengths)."""
+    monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", 1024)
     q, k, v, _ = _inputs(32, 64, torch.bfloat16)
     lengths = torch.full((32,), 64)
     lengths[0] = 20  # row 0 is the short one; the rectangle is as wide as the others
