@@ -62,10 +62,12 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 # Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
-# (`decode_attention`): below it SDPA was the faster, around it the two cost about the same
-# (scripts/decode_attention_bench.py; its results are in docs/results/questions/decode-matmul-attention/).
-# Where that is depends on the CPU: on a Zen 4 with AVX512-BF16, about a thousand; on a Xeon with
-# AMX, whose tiles SDPA's kernel uses too, about thirty thousand (64 rows x 512 keys).
+# (`decode_attention`), by the CPU (scripts/decode_attention_bench.py; its results are in
+# docs/results/questions/decode-matmul-attention/). On a Zen 4 with AVX512-BF16 SDPA was the faster
+# below about a thousand and the two cost about the same around it. On the Xeon with AMX measured,
+# whose tiles SDPA's kernel uses too, SDPA was the faster or level up to 64 rows x 320 keys, the
+# written-out form ahead by under a tenth from about 16,000 and by a fifth only from 32 x 1,024:
+# there the threshold sits where the gain is clear, not where it begins.
 DECODE_MATMUL_MIN_KEYS = 32768 if cpu_has_amx() else 1024
 
 
@@ -76,8 +78,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
     which works through the rectangle one sequence and one head at a time) took longer than the
     same math written out (`written_out_attention`): over twice as long at 64 rows on a Zen 4
-    with AVX512-BF16; on a Xeon with AMX only from larger rectangles on
-    (`scripts/decode_attention_bench.py`). fp32 always takes SDPA, so its tokens are what they
+    with AVX512-BF16; on a Xeon with AMX a fifth longer at 32 rows x 1,024 keys, half again at
+    64 x 2,048 (`scripts/decode_attention_bench.py`). fp32 always takes SDPA, so its tokens are what they
     were (transformers', bit for bit)."""
     _, B, L, _ = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:

@@ -1,5 +1,5 @@
 """`common.model.decode_attention`: SDPA, or in bf16 on a CPU over a large K/V rectangle the same
-math written out (two batched matmuls around a softmax), which ran there in half SDPA's time.
+math written out (two batched matmuls around a softmax), which ran in half SDPA's time on a Zen 4.
 How large depends on the CPU (`DECODE_MATMUL_MIN_KEYS`: 1,024 rows x keys without AMX, 32,768
 with), so each test sets the threshold it exercises and runs the same on either kind of CPU.
 
