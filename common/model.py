@@ -79,8 +79,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     which works through the rectangle one sequence and one head at a time) took longer than the
     same math written out (`written_out_attention`): over twice as long at 64 rows on a Zen 4
     with AVX512-BF16; on a Xeon with AMX a fifth longer at 32 rows x 1,024 keys, half again at
-    64 x 2,048 (`scripts/decode_attention_bench.py`). fp32 always takes SDPA, so its tokens are what they
-    were (transformers', bit for bit)."""
+    64 x 2,048 (`scripts/decode_attention_bench.py`). fp32 always takes SDPA, so its tokens are
+    what they were (transformers', bit for bit)."""
     _, B, L, _ = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:
         return written_out_attention(q, k, v, mask)
