@@ -64,10 +64,10 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 # Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
 # (`decode_attention`), by the CPU (scripts/decode_attention_bench.py; its results are in
 # docs/results/questions/decode-matmul-attention/). On a Zen 4 with AVX512-BF16 SDPA was the faster
-# below about a thousand and the two cost about the same around it. On the Xeon with AMX measured,
-# whose tiles SDPA's kernel uses too, SDPA was the faster or level up to 64 rows x 320 keys, the
-# written-out form ahead by under a tenth from about 16,000 and by a fifth only from 32 x 1,024:
-# there the threshold sits where the gain is clear, not where it begins.
+# below about a thousand and the two cost about the same around it; a Zen 5 crossed over there too.
+# On the Xeon with AMX measured, whose tiles SDPA's kernel uses too, SDPA was the faster or level up
+# to 64 rows x 320 keys, the written-out form ahead by under a tenth from about 16,000 and by a
+# fifth only from 32 x 1,024: there the threshold sits where the gain is clear, not where it begins.
 DECODE_MATMUL_MIN_KEYS = 32768 if cpu_has_amx() else 1024
 
 
