@@ -25,6 +25,8 @@ import ctypes
 import os
 import threading
 
+import torch
+
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what a restart would need
 
 
@@ -41,6 +43,21 @@ def release_caller_openmp_threads() -> bool:
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
     return pause(OMP_PAUSE_SOFT) == 0
+
+
+def set_intra_op_threads(n: int) -> None:
+    """`torch.set_num_threads(n)`, unless the process already runs `n` threads.
+
+    Why the check: the call is not free even when it changes nothing. Besides OpenMP's count it
+    sets MKL's and turns MKL's dynamic adjustment off (ATen's ParallelOpenMP.cpp), and fp32 SDPA's
+    CPU kernel calls MKL's sgemm from inside its own parallel loop. On a 2-core Zen 5 one
+    `torch.set_num_threads(2)` in a process already at 2 left that kernel twice as slow for the
+    rest of the process (a decode step's fp32 SDPA, 0.49 against 0.95 ms a layer), while bf16's
+    SDPA, the packed matmuls and the K/V gather stayed as they were. The benches set the threads
+    around every floor sample, so every run after the first, and the profiles' timed steps, paid it.
+    """
+    if int(n) != torch.get_num_threads():
+        torch.set_num_threads(int(n))
 
 
 def run_at_idle_priority(thread: threading.Thread) -> bool:

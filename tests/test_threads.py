@@ -22,7 +22,8 @@ import torch
 from common import stages as registry
 from conftest import streaming_packages
 from common.requests import SamplingParams
-from common.threads import release_caller_openmp_threads, run_at_idle_priority
+from common.bench.floor import threads
+from common.threads import release_caller_openmp_threads, run_at_idle_priority, set_intra_op_threads
 
 STREAMING = streaming_packages()
 
@@ -226,3 +227,19 @@ def test_worker_priority_auto_is_idle_on_a_cpu_only():
     assert worker_priority("auto", torch.device("cpu")) == ("idle" if IDLE is not None else "normal")
     with pytest.raises(ValueError, match="worker_priority"):
         worker_priority("low", torch.device("cpu"))
+
+
+def test_thread_count_is_set_only_where_it_changes(monkeypatch):
+    # torch.set_num_threads, even to the count already set, slows fp32 SDPA for the rest of the
+    # process (common/threads.py): the benches' floor samples and the ladder must not call it then.
+    calls: list[int] = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    now = torch.get_num_threads()
+    set_intra_op_threads(now)
+    with threads(now):
+        pass
+    assert calls == []
+    with threads(now + 1):
+        assert torch.get_num_threads() == now + 1
+    assert calls == [now + 1, now] and torch.get_num_threads() == now

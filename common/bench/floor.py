@@ -24,6 +24,7 @@ from torch import Tensor
 from common.linear import linear
 from common.memory import kv_bytes
 from common.sampling import greedy_pick
+from common.threads import set_intra_op_threads
 
 
 def decode_batch(max_batch_size: int, num_requests: int) -> int:
@@ -145,13 +146,14 @@ def attention_free_ms(model: torch.nn.Module, batch: int, *, warmup: int = 5, re
 
 @contextlib.contextmanager
 def threads(n: int) -> Iterator[None]:
-    """Run the block with `n` intra-op threads, then give back the count it found."""
+    """Run the block with `n` intra-op threads, then give back the count it found (no call at
+    all where the count is already `n`: `common.threads.set_intra_op_threads` says why)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    set_intra_op_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        set_intra_op_threads(before)
 
 
 class FloorSampler:

@@ -24,6 +24,7 @@ from common.bench.ladder_workloads import DEFAULT_MAX_BATCH_SIZE, WORKLOADS, aut
 from common.bench.metrics import summarize
 from common.bench.workloads import build_workload, fresh_copies
 from common.commands import add_model_args
+from common.threads import set_intra_op_threads
 
 
 @dataclass
@@ -206,7 +207,7 @@ def prepare(args: argparse.Namespace, notes: list[str], weights: bool = True) ->
         notes.append("tiny model: 1 CPU thread (too small to gain from more; on a busy machine idle "
                      "threads spin and slow every op down)")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_intra_op_threads(args.threads)  # no call where the count is already that (common/threads.py)
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, weights=weights)
     max_len = int(loaded.config.max_position_embeddings)
