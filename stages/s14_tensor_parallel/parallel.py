@@ -35,6 +35,7 @@ from torch.profiler import record_function
 
 from common.config import ModelConfig
 from common.requests import int_knob
+from common.threads import set_intra_op_threads
 
 START_TIMEOUT = datetime.timedelta(minutes=10)  # forming the group: every rank loads its share first
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast: a follower waits as long as rank 0 idles
@@ -148,7 +149,7 @@ class TensorParallel:
         """start() without its clean-up: split the threads, start the ranks, form the groups."""
         if self.backend == "gloo":  # CPU ranks share this machine's cores: each takes its part of the threads
             self._threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, self._threads // self.local_ranks))
+            set_intra_op_threads(max(1, self._threads // self.local_ranks))  # no call if it stays (common/threads.py)
         store, timeout = None, START_TIMEOUT  # under torchrun: its environment's rendezvous (env://)
         if not self.launched_by_torchrun:
             # Rank 0 holds the rendezvous store, and forms the group only once every rank it
@@ -327,7 +328,7 @@ class TensorParallel:
                 p.kill()
         self.workers = []
         if self._threads:
-            torch.set_num_threads(self._threads)  # the process's threads as they were
+            set_intra_op_threads(self._threads)  # the process's threads as they were
             self._threads = None
 
 
@@ -354,7 +355,7 @@ def _worker_main(env: dict[str, str], job: dict) -> None:
     from common.loader import load_model
 
     if job.get("threads"):
-        torch.set_num_threads(job["threads"])
+        set_intra_op_threads(job["threads"])
     loaded = load_model(job["model"], device=rank_device(job["device"]), dtype=job["dtype"], weights=False)
     engine_cls = importlib.import_module(job["package"]).InferenceEngine
     engine_cls(loaded, **job["kwargs"])
