@@ -39,6 +39,7 @@ import functools
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,22 @@ def cpu_has_amx() -> bool:
     """Does this CPU have AMX tiles (Intel Xeon since Sapphire Rapids)? They multiply bf16 matrices
     whole tiles at a time; oneDNN's kernels use them, SDPA's bf16 CPU kernel included."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())  # private, so looked up
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where there
+    is no such file (not Linux) or no such line (Arm). Some choices between two kernels of equal
+    results were measured to go one way on AMD's cores and the other on Intel's (common/model.py)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
 
 
 def cpu_has_bf16_units() -> bool:

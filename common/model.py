@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .checkpoint import gpt2_state_dict, llama_state_dict, read_safetensors
 from .config import ModelConfig
-from .linear import cpu_has_amx, f_linear_rows_setting, linear, pack, rows_for_f_linear
+from .linear import cpu_has_amx, cpu_vendor, f_linear_rows_setting, linear, pack, rows_for_f_linear
 
 
 class Attention(Protocol):
@@ -61,14 +61,28 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-# Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written out
-# (`decode_attention`), by the CPU (scripts/decode_attention_bench.py; its results are in
-# docs/results/questions/decode-matmul-attention/). On a Zen 4 with AVX512-BF16 SDPA was the faster
-# below about a thousand and the two cost about the same around it; a Zen 5 crossed over there too.
-# On the Xeon with AMX measured, whose tiles SDPA's kernel uses too, SDPA was the faster or level up
-# to 64 rows x 320 keys, the written-out form ahead by under a tenth from about 16,000 and by a
-# fifth only from 32 x 1,024: there the threshold sits where the gain is clear, not where it begins.
-DECODE_MATMUL_MIN_KEYS = 32768 if cpu_has_amx() else 1024
+def decode_matmul_min_keys() -> float:
+    """Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written
+    out (`decode_attention`), by the CPU (scripts/decode_attention_bench.py; its results are in
+    docs/results/questions/decode-matmul-attention/).
+
+    Why it is the CPU's: the written-out form is two of oneDNN's batched matmuls, SDPA's bf16
+    kernel a loop of its own, and which is faster follows how fast the CPU's bf16 matmuls are.
+    On AMD's Zen 4 and Zen 5 (AVX512-BF16, no AMX) SDPA was the faster below about a thousand and
+    the two cost about the same around it. On a Xeon with AMX, whose tiles SDPA's kernel uses too,
+    SDPA was the faster or level up to 64 rows x 320 keys, the written-out form ahead by under a
+    tenth from about 16,000 and by a fifth only from 32 x 1,024: there the threshold sits where
+    the gain is clear, not where it begins. On a Xeon with AVX512-BF16 whose AMX was hidden from
+    the system (no `amx` flag), where bf16 matmuls ran no faster than fp32's, SDPA was the faster
+    at every shape measured, up to 64 x 2,048: there it is never written out."""
+    if cpu_has_amx():
+        return 32768
+    if cpu_vendor() == "GenuineIntel":
+        return math.inf
+    return 1024
+
+
+DECODE_MATMUL_MIN_KEYS = decode_matmul_min_keys()
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -79,8 +93,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     which works through the rectangle one sequence and one head at a time) took longer than the
     same math written out (`written_out_attention`): over twice as long at 64 rows on a Zen 4
     with AVX512-BF16; on a Xeon with AMX a fifth longer at 32 rows x 1,024 keys, half again at
-    64 x 2,048 (`scripts/decode_attention_bench.py`). fp32 always takes SDPA, so its tokens are
-    what they were (transformers', bit for bit)."""
+    64 x 2,048 (`scripts/decode_attention_bench.py`; from which size on is the CPU's:
+    `decode_matmul_min_keys`). fp32 always takes SDPA, so its tokens are what they were
+    (transformers', bit for bit)."""
     _, B, L, _ = k.shape
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and B * L >= DECODE_MATMUL_MIN_KEYS:
         return written_out_attention(q, k, v, mask)

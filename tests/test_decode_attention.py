@@ -1,13 +1,16 @@
 """`common.model.decode_attention`: SDPA, or in bf16 on a CPU over a large K/V rectangle the same
 math written out (two batched matmuls around a softmax), which ran in half SDPA's time on a Zen 4.
 How large depends on the CPU (`DECODE_MATMUL_MIN_KEYS`: 1,024 rows x keys without AMX, 32,768
-with), so each test sets the threshold it exercises and runs the same on either kind of CPU.
+with, never on an Intel CPU without it), so each test sets the threshold it exercises and runs the
+same on any kind of CPU.
 
 fp32 must not change at all (its tokens are transformers', bit for bit), nor bf16 below the
 threshold; above it the output is SDPA's up to bf16 rounding, as transformers' own eager bf16
 attention is. The engines' tokens on that path are checked in tests/test_bf16.py.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -93,3 +96,19 @@ def test_the_micro_benchmark_writes_both_forms_for_every_shape(tmp_path) -> None
         assert len(r["samples_ms"]["sdpa"]) == len(r["samples_ms"]["written_out"]) == 2
     assert result["dtype"] == "bfloat16" and result["command"].startswith("python scripts/decode_attention_bench.py")
     assert "cpu_capability" in result["env"]  # where it ran (commit, versions, CPU), as every result says
+
+
+@pytest.mark.parametrize(("amx", "vendor", "expected"), [
+    (True, "GenuineIntel", 32768), (False, "GenuineIntel", math.inf), (False, "AuthenticAMD", 1024), (False, "", 1024)])
+def test_the_threshold_is_the_cpus(monkeypatch, amx, vendor, expected) -> None:
+    """AMX: written out from 32,768; an Intel CPU without AMX: never (SDPA was the faster at every
+    shape measured there); AMD's, and any other: from 1,024."""
+    monkeypatch.setattr(model, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(model, "cpu_vendor", lambda: vendor)
+    assert model.decode_matmul_min_keys() == expected
+
+
+def test_never_means_sdpa_at_any_size(monkeypatch) -> None:
+    monkeypatch.setattr(model, "DECODE_MATMUL_MIN_KEYS", math.inf)
+    q, k, v, mask = _inputs(64, 2048, torch.bfloat16)
+    assert torch.equal(decode_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

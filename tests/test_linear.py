@@ -252,3 +252,17 @@ def test_f_linear_at_few_rows_keeps_greedy_tokens_equal_to_transformers(stage, t
             assert comp.token_ids == hf_greedy(comp.prompt_token_ids, 8), comp.prompt
     finally:
         tiny.model.set_unpacked_rows(measured)  # the fixture is the session's
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n\nprocessor\t: 1\nvendor_id\t: GenuineIntel\n", "GenuineIntel"),
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\n", "AuthenticAMD"),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", ""),  # Arm: no vendor_id line
+    (None, ""),  # no /proc/cpuinfo (not Linux)
+])
+def test_cpu_vendor_reads_proc_cpuinfo(tmp_path, monkeypatch, text, expected) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    if text is not None:
+        cpuinfo.write_text(text)
+    monkeypatch.setattr(lin, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else p)
+    assert lin.cpu_vendor.__wrapped__() == expected  # past the process's cache
