@@ -105,20 +105,22 @@ def cpu_has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())  # private, so looked up
 
 
+def cpuinfo() -> dict[str, str]:
+    """The first processor's entries in /proc/cpuinfo, keys lower-cased (empty where there is none:
+    not Linux, or no permission)."""
+    try:
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in block.splitlines() if ":" in line)}
+
+
 @functools.cache
 def cpu_vendor() -> str:
-    """The CPU's maker as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where there
-    is no such file (not Linux) or no such line (Arm). Some choices between two kernels of equal
-    results were measured to go one way on AMD's cores and the other on Intel's (common/model.py)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    """The CPU's maker as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where it
+    names none (Arm) or there is no such file (not Linux). Some choices between two kernels of the
+    same result were measured to go one way on AMD's cores and the other on Intel's (common/model.py)."""
+    return cpuinfo().get("vendor_id", "")
 
 
 def cpu_has_bf16_units() -> bool:

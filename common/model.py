@@ -61,7 +61,7 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def decode_matmul_min_keys() -> float:
+def decode_matmul_min_keys() -> int | float:
     """Rows x keys of a gathered K/V rectangle from which bf16 decode attention on a CPU is written
     out (`decode_attention`), by the CPU (scripts/decode_attention_bench.py; its results are in
     docs/results/questions/decode-matmul-attention/).
@@ -73,8 +73,9 @@ def decode_matmul_min_keys() -> float:
     SDPA was the faster or level up to 64 rows x 320 keys, the written-out form ahead by under a
     tenth from about 16,000 and by a fifth only from 32 x 1,024: there the threshold sits where
     the gain is clear, not where it begins. On a Xeon with AVX512-BF16 whose AMX was hidden from
-    the system (no `amx` flag), where bf16 matmuls ran no faster than fp32's, SDPA was the faster
-    at every shape measured, up to 64 x 2,048: there it is never written out."""
+    the system (no `amx` flag), where bf16 matmuls ran no faster than fp32's from 32 rows on, SDPA
+    was the faster or level at every shape measured, up to 64 x 2,048: on an Intel CPU without
+    AMX (that one measured) it is never written out."""
     if cpu_has_amx():
         return 32768
     if cpu_vendor() == "GenuineIntel":
@@ -92,8 +93,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     SDPA, except in bf16 on a CPU over a large rectangle. There SDPA's kernel (the flash one,
     which works through the rectangle one sequence and one head at a time) took longer than the
     same math written out (`written_out_attention`): over twice as long at 64 rows on a Zen 4
-    with AVX512-BF16; on a Xeon with AMX a fifth longer at 32 rows x 1,024 keys, half again at
-    64 x 2,048 (`scripts/decode_attention_bench.py`; from which size on is the CPU's:
+    with AVX512-BF16 (`scripts/decode_attention_bench.py`; from which size on is the CPU's:
     `decode_matmul_min_keys`). fp32 always takes SDPA, so its tokens are what they were
     (transformers', bit for bit)."""
     _, B, L, _ = k.shape

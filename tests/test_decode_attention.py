@@ -1,8 +1,8 @@
 """`common.model.decode_attention`: SDPA, or in bf16 on a CPU over a large K/V rectangle the same
 math written out (two batched matmuls around a softmax), which ran in half SDPA's time on a Zen 4.
-How large depends on the CPU (`DECODE_MATMUL_MIN_KEYS`: 1,024 rows x keys without AMX, 32,768
-with, never on an Intel CPU without it), so each test sets the threshold it exercises and runs the
-same on any kind of CPU.
+How large depends on the CPU (`DECODE_MATMUL_MIN_KEYS`: 32,768 rows x keys with AMX, never on an
+Intel CPU without AMX, 1,024 on AMD's and other CPUs), so each test sets the threshold it exercises
+and runs the same on any kind of CPU.
 
 fp32 must not change at all (its tokens are transformers', bit for bit), nor bf16 below the
 threshold; above it the output is SDPA's up to bf16 rounding, as transformers' own eager bf16

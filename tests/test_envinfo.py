@@ -93,14 +93,16 @@ def test_env_names_the_cpu_kernels_and_reads_family_and_flags_from_cpuinfo(tmp_p
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
                        "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
-    real_path = envinfo.Path
-    monkeypatch.setattr(envinfo, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    from common import linear  # where /proc/cpuinfo is read (common.linear.cpuinfo)
+
+    real_path = linear.Path
+    monkeypatch.setattr(linear, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
     info = envinfo.cpuinfo()
     assert envinfo.cpu_model(info) == "AMD EPYC"
     fields = envinfo.cpu_features(info)
     assert fields == {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_family_model": "25/17",
                       "cpu_flags": ["avx2", "avx512f", "avx512_bf16"]}
-    monkeypatch.setattr(envinfo, "Path", lambda p: tmp_path / "missing")
+    monkeypatch.setattr(linear, "Path", lambda p: tmp_path / "missing")
     assert envinfo.cpuinfo() == {}
     assert envinfo.cpu_features({}) == {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
 

@@ -264,5 +264,6 @@ def test_cpu_vendor_reads_proc_cpuinfo(tmp_path, monkeypatch, text, expected) ->
     cpuinfo = tmp_path / "cpuinfo"
     if text is not None:
         cpuinfo.write_text(text)
-    monkeypatch.setattr(lin, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else p)
+    real_path = lin.Path
+    monkeypatch.setattr(lin, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
     assert lin.cpu_vendor.__wrapped__() == expected  # past the process's cache

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.linear import ROWS_ENV
+from common.linear import ROWS_ENV, cpuinfo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,15 +52,6 @@ def git_info() -> dict:
 # is the code it imported then: a commit, or an edit, made in the checkout meanwhile would
 # otherwise be written into its JSON as if the run had measured it.
 GIT_AT_START = git_info()
-
-
-def cpuinfo() -> dict[str, str]:
-    """The first processor's entries in /proc/cpuinfo, keys lower-cased (empty where there is none)."""
-    try:
-        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return {}
-    return {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in block.splitlines() if ":" in line)}
 
 
 def cpu_model(info: dict[str, str]) -> str:
