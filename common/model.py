@@ -14,10 +14,10 @@ weight is also packed once for oneDNN's matmul (`common/linear.py`: about 2x fas
 `F.linear` faster, which the model measures once at load.
 
 Two run-time choices too. The paged stages' decode attention is SDPA, or in bf16 on a CPU over a
-K/V rectangle large for that CPU the same math written out (`decode_attention`). And our eager forwards keep
-SDPA off its cuDNN backend (`cudnn_attention`): on an H200 the eager steps ran several times
-slower with it, and they bring new shapes all the time (the batch grows, the gathered K/V
-widens, a prompt chunk has its own length), which cuDNN may plan one by one. A forward captured
+K/V rectangle large for that CPU the same math written out (`decode_attention`). And our eager
+forwards keep SDPA off its cuDNN backend (`cudnn_attention`): on an H200 the eager steps ran
+several times slower with it, and they bring new shapes all the time (the batch grows, the gathered
+K/V widens, a prompt chunk has its own length), which cuDNN may plan one by one. A forward captured
 into a CUDA graph (`captured=True`) has one shape, planned once at capture, and may use it
 (`cudnn_attention_captured`).
 """
