@@ -49,15 +49,16 @@ def set_intra_op_threads(n: int) -> None:
     """`torch.set_num_threads(n)`, unless the process already runs `n` threads.
 
     Why the check: the call is not free even when it changes nothing. Besides OpenMP's count it
-    sets MKL's and turns MKL's dynamic adjustment off (ATen's ParallelOpenMP.cpp), and fp32 SDPA's
-    CPU kernel calls MKL's sgemm from inside its own parallel loop, where MKL then starts a team
-    of its own for each call (`MKL_VERBOSE=1`: `Dyn:0 ... NThr:2`; `NThr:1` before). On a
-    2-core Zen 5 one `torch.set_num_threads(2)` in a process already at 2 left that kernel twice
-    as slow for the rest of the process (a decode step's fp32 SDPA, 0.49 against 0.95 ms a
-    layer), while bf16's SDPA, the packed matmuls and the K/V gather stayed as they were. The
-    benches set the threads around every floor sample, so every run after the first, and the
-    profiles' timed steps, paid it. Turning MKL's mode back on afterwards does not last: PyTorch
-    sets the count again, and the mode with it, in each thread that first runs parallel work.
+    sets MKL's and turns MKL's dynamic adjustment off (ATen's ParallelOpenMP.cpp), and fp32
+    SDPA's CPU kernel calls MKL's sgemm from inside its own parallel loop, where, after that
+    call, MKL starts a team of its own for each sgemm (`MKL_VERBOSE=1`: `Dyn:0 ... NThr:2`,
+    against `Dyn:1 ... NThr:1` before). On a 2-core Zen 5 one `torch.set_num_threads(2)` in a
+    process already at 2 left that kernel twice as slow for the rest of the process (a decode
+    step's fp32 SDPA, 0.49 against 0.95 ms a layer), while bf16's SDPA, the packed matmuls and
+    the K/V gather stayed as they were. The benches set the threads around every floor sample,
+    so every run after the first, and the profiles' timed steps, paid it. Turning MKL's dynamic
+    adjustment back on afterwards does not last: PyTorch sets the count again, and the
+    adjustment with it, in each thread that first runs parallel work.
     """
     if int(n) != torch.get_num_threads():
         torch.set_num_threads(int(n))
