@@ -2,15 +2,18 @@
 in two by length (each group padded to its own longest): what the padding costs on the lengths of
 stage 13's own workload, and whether a second call would buy it back.
 
-    python scripts/decode_padding_bench.py --dtype bfloat16 --json FILE
+    python scripts/decode_padding_bench.py --dtype bfloat16 --record LENGTHS
+    python scripts/decode_padding_bench.py --dtype bfloat16 --lengths LENGTHS --json FILE
 
-First it runs stage 13's bench once (its `BENCH` workload: 64 chat prompts, up to 512 new tokens,
-a KV pool for 8 at their worst, so requests of very different lengths decode side by side) and
-keeps every decode step's row lengths; `--lengths FILE` replays a JSON list of such steps instead.
-Then, for every `--every`-th step, one layer of decode attention both ways, in one process,
-alternated: copy the rows' blocks out of a pool laid out as `KVBlockPool`'s (`index_select`), then
-`common.model.decode_attention`. SmolLM2-135M's shapes: 3 KV heads, 3 query heads each, head size
-64, blocks of 16 tokens. Reported: each form's median over rounds of its ms a layer, per step.
+`--record` runs stage 13's bench once (its `BENCH` workload: 64 chat prompts, up to 512 new
+tokens, a KV pool for 8 at their worst, so requests of very different lengths decode side by side)
+and keeps every decode step's row lengths. The replay runs in a process of its own (in the bench's
+own process both forms timed several percent off a fresh process's figures): for every
+`--every`-th step, one layer of decode attention both ways, alternated: copy the rows' blocks out
+of a pool laid out as `KVBlockPool`'s (`index_select`), then `common.model.decode_attention`.
+SmolLM2-135M's shapes: 3 KV heads, 3 query heads each, head size 64, blocks of 16 tokens.
+Reported: each form's median over rounds of its ms a layer, per step, and how much smaller the
+split's rectangles are.
 """
 
 from __future__ import annotations
@@ -104,19 +107,23 @@ class Step:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--lengths", default=None, help="a JSON list of steps' row lengths to replay (default: record them)")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--record", default=None, help="run stage 13's bench and write its steps' row lengths here")
+    group.add_argument("--lengths", default=None, help="replay the steps of a --record file (or a JSON list of steps)")
     p.add_argument("--every", type=int, default=8, help="replay every Nth recorded step")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-time-s", type=float, default=0.2)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
-    bench: dict = {}
-    if a.lengths:
-        recorded = json.loads(Path(a.lengths).read_text())
-    else:
-        recorded, result = record_lengths(a.dtype)
-        bench = {k: result.get(k) for k in ("throughput_tok_s", "decode_step_ms", "step_batch", "kv")}
+    if a.record:
+        steps_seen, result = record_lengths(a.dtype)
+        bench = {k: result.get(k) for k in ("dtype", "throughput_tok_s", "decode_step_ms", "step_batch", "kv")}
+        Path(a.record).write_text(json.dumps({"bench": bench, "env": result.get("env"), "steps": steps_seen}) + "\n")
+        print(f"wrote {len(steps_seen)} steps' lengths to {a.record}")
+        return 0
+    loaded = json.loads(Path(a.lengths).read_text())
+    recorded, bench = (loaded["steps"], loaded.get("bench", {})) if isinstance(loaded, dict) else (loaded, {})
     replayed = [s for s in recorded[:: a.every] if s]
     g = torch.Generator().manual_seed(0)
     pool_blocks = max(-(-max(s) // BLOCK) for s in replayed) * max(len(s) for s in replayed)
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{fields['one_vs_split_blocks']:.2f}x the split's blocks")
     if a.json:
         out = {"kind": "decode-padding-bench", "dtype": a.dtype, "threads": torch.get_num_threads(), **fields,
-               "bench": bench, "lengths": replayed,
+               "recorded_by": bench, "lengths": replayed,
                "command": shlex.join(["python", "scripts/decode_padding_bench.py", *(argv or sys.argv[1:])]),
                "env": collect_env("cpu")}
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")

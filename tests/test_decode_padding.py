@@ -50,3 +50,17 @@ def test_the_split_attends_as_one_rectangle_and_the_result_says_so(tmp_path: Pat
     assert result["split_vs_one"] == pytest.approx(result["split_ms"] / result["one_ms"])
     assert len(result["samples_ms"]["one"]) == len(result["samples_ms"]["split"]) == 2
     assert result["command"].startswith("python scripts/decode_padding_bench.py") and "cpu_capability" in result["env"]
+
+
+def test_a_record_file_replays_with_the_bench_that_wrote_it(tmp_path: Path) -> None:
+    """`--record` writes {"bench", "env", "steps"}; the replay keeps the bench's summary beside its figures."""
+    bench = load_script()
+    lengths = tmp_path / "record.json"
+    lengths.write_text(json.dumps({"bench": {"dtype": "float32", "decode_step_ms": 80.0}, "env": {}, "steps": [[40, 3]]}))
+    out = tmp_path / "padding.json"
+    assert bench.main(["--lengths", str(lengths), "--every", "1", "--dtype", "float32", "--rounds", "1",
+                       "--min-time-s", "0.001", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["recorded_by"] == {"dtype": "float32", "decode_step_ms": 80.0} and result["lengths"] == [[40, 3]]
+    with pytest.raises(SystemExit):  # one of --record and --lengths, not neither
+        bench.main(["--dtype", "float32"])
