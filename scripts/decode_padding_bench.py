@@ -24,6 +24,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,7 +44,8 @@ def record_lengths(dtype: str) -> tuple[list[list[int]], dict]:
     steps: list[list[int]] = []
     init = attention.DecodeAttention.__init__
 
-    def recording(self, pool, new_slots, blocks, lengths) -> None:  # the same init, and its lengths kept
+    def recording(self: Any, pool: Any, new_slots: torch.Tensor, blocks: torch.Tensor,
+                  lengths: torch.Tensor) -> None:  # the same init, and its lengths kept
         init(self, pool, new_slots, blocks, lengths)
         steps.append(lengths.tolist())
 
@@ -68,40 +70,59 @@ def split_point(blocks: list[int]) -> tuple[int, int]:
     return cut, best
 
 
+class Group(NamedTuple):
+    """Some of a step's rows as one rectangle: which rows, the pool rows to copy out (one index for
+    K and V, head after head: [Hkv * n * nb]), and the length mask [1, n, 1, nb * bs]."""
+
+    rows: slice
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
 class Step:
-    """One recorded step, set up once: its queries, its rows' blocks in a pool, both forms' masks."""
+    """One recorded step, set up once as a paged stage would hold it: each row's own blocks, distinct,
+    from a pool of `pool_blocks`; the block table padded with block 0 (`BlockTables`' filler) up to
+    the rectangle's width; queries as the stages pass them. Rows are sorted longest first, so that
+    a cut in two is a slice."""
 
     def __init__(self, lengths: list[int], pool_blocks: int, dtype: torch.dtype, g: torch.Generator) -> None:
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # longest first
-        self.lengths = torch.tensor([lengths[i] for i in order])  # [B]
+        self.lengths = torch.tensor(sorted(lengths, reverse=True))  # [B], longest first
         counts = [-(-n // BLOCK) for n in self.lengths.tolist()]
         B, nb = len(counts), counts[0]
-        self.q = torch.randn(HKV, B, GROUP, HEAD_DIM, generator=g).to(dtype)  # [Hkv, B, G, D]
-        self.blocks = torch.stack([torch.randperm(pool_blocks, generator=g)[:nb] for _ in range(B)])  # [B, nb]
+        free = torch.randperm(pool_blocks - 1, generator=g) + 1  # block 0 pads the tables
+        self.table = torch.zeros(B, nb, dtype=torch.long)  # [B, nb]
+        taken = 0
+        for i, c in enumerate(counts):  # a longer step than the pool holds reuses blocks: fine for timing
+            self.table[i, :c] = free[torch.arange(taken, taken + c) % free.numel()]
+            taken += c
+        self.q = torch.randn(B, HKV, GROUP, HEAD_DIM, generator=g).to(dtype).transpose(0, 1)  # [Hkv, B, G, D] view
         cut, self.split_blocks = split_point(counts)
         self.one_blocks, self.real_tokens = B * nb, int(self.lengths.sum())
-        self.groups = [self.group(0, B, nb, pool_blocks, dtype)]  # one rectangle
+        self.one = [self.group(0, B, nb, pool_blocks, dtype)]
         self.split = [self.group(0, cut, nb, pool_blocks, dtype)]
         if cut < B:
             self.split.append(self.group(cut, B, counts[cut], pool_blocks, dtype))
 
-    def group(self, lo: int, hi: int, nb: int, pool_blocks: int, dtype: torch.dtype) -> tuple:
-        """Rows lo..hi-1 as one rectangle of nb blocks: (rows, gather index [Hkv * n * nb], mask)."""
-        heads = torch.arange(HKV) * (pool_blocks + 1)  # [Hkv]: where each head's blocks start
-        index = (heads[:, None] + self.blocks[lo:hi, :nb].reshape(-1)[None, :]).reshape(-1)
+    def group(self, lo: int, hi: int, nb: int, pool_blocks: int, dtype: torch.dtype) -> Group:
+        """Rows lo..hi-1 as one rectangle of nb blocks each (`KVBlockPool.block_rows`' index)."""
+        heads = torch.arange(HKV) * pool_blocks  # [Hkv]: where each head's blocks start in the flat pool
+        index = (heads[:, None] + self.table[lo:hi, :nb].reshape(-1)[None, :]).reshape(-1)  # [Hkv * n * nb]
         keys = torch.arange(nb * BLOCK)
         mask = additive_mask((keys < self.lengths[lo:hi, None])[None, :, None, :], dtype)  # [1, n, 1, nb * bs]
-        return slice(lo, hi), index, mask
+        return Group(slice(lo, hi), index, mask)
 
-    def attend(self, k: torch.Tensor, v: torch.Tensor, groups: list) -> torch.Tensor:
-        """One layer: each group's blocks copied out of the pool, then attention over them."""
+    def attend(self, k: torch.Tensor, v: torch.Tensor, groups: list[Group], scratch: torch.Tensor) -> torch.Tensor:
+        """One layer: each group's blocks copied out of the pool into a reused buffer (as
+        `KVBlockPool.gather_blocks` does), then attention over them -> [Hkv, B, G, D]."""
         outs = []
         for rows, index, mask in groups:
-            n = rows.stop - rows.start
-            keys = torch.index_select(k, 0, index).view(HKV, n, -1, HEAD_DIM)  # [Hkv, n, nb * bs, D]
-            values = torch.index_select(v, 0, index).view(HKV, n, -1, HEAD_DIM)
-            outs.append(decode_attention(self.q[:, rows], keys, values, mask))  # [Hkv, n, G, D]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [Hkv, B, G, D]: rows longest first
+            n, size = rows.stop - rows.start, index.numel()
+            keys, values = scratch[:size], scratch[size:2 * size]  # [Hkv * n * nb, bs * D] each
+            torch.index_select(k, 0, index, out=keys)
+            torch.index_select(v, 0, index, out=values)
+            outs.append(decode_attention(self.q[:, rows], keys.view(HKV, n, -1, HEAD_DIM),
+                                         values.view(HKV, n, -1, HEAD_DIM), mask))  # [Hkv, n, G, D]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # rows longest first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     recorded, bench = (loaded["steps"], loaded.get("bench", {})) if isinstance(loaded, dict) else (loaded, {})
     replayed = [s for s in recorded[:: a.every] if s]
     g = torch.Generator().manual_seed(0)
-    pool_blocks = max(-(-max(s) // BLOCK) for s in replayed) * max(len(s) for s in replayed)
-    k, v = (torch.randn(HKV * (pool_blocks + 1), BLOCK * HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    # the recording engine's pool (stage 13's BENCH: 280 blocks), else one that holds the largest step
+    pool_blocks = (bench.get("kv") or {}).get("num_blocks") or sum(-(-n // BLOCK) for n in max(replayed, key=sum)) + 1
+    k, v = (torch.randn(HKV * pool_blocks, BLOCK * HEAD_DIM, generator=g).to(dtype) for _ in range(2))  # one layer
     steps = [Step(s, pool_blocks, dtype, g) for s in replayed]
-    worst = max(float((st.attend(k, v, st.groups) - st.attend(k, v, st.split)).abs().max()) for st in steps)
+    scratch = torch.empty(2 * max(st.one[0].index.numel() for st in steps), BLOCK * HEAD_DIM, dtype=dtype)
+    worst = max(float((st.attend(k, v, st.one, scratch) - st.attend(k, v, st.split, scratch)).abs().max())
+                for st in steps)
 
-    forms = {"one": lambda: [st.attend(k, v, st.groups) for st in steps],
-             "split": lambda: [st.attend(k, v, st.split) for st in steps]}
+    forms = {"one": lambda: [st.attend(k, v, st.one, scratch) for st in steps],
+             "split": lambda: [st.attend(k, v, st.split, scratch) for st in steps]}
     times: dict[str, list[float]] = {"one": [], "split": []}
     for r in range(a.rounds):  # alternated, the order flipped each round
         for name in (("one", "split") if r % 2 == 0 else ("split", "one")):

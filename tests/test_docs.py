@@ -257,7 +257,6 @@ def test_bench_value_and_ratio_lookups(tmp_path: Path) -> None:
         values.render_bench_value(REPO, f"{SAMPLE} requests GB")
 
 
-
 def test_lookup_finds_a_profile_row_by_its_op_name() -> None:
     """A profile's op rows reorder between runs, so a page names the op, not its place."""
     profile = {"ops": [{"op": "aten::copy_", "ms_per_step": 9.0}, {"op": "aten::index_select", "ms_per_step": 7.5}]}
@@ -265,6 +264,10 @@ def test_lookup_finds_a_profile_row_by_its_op_name() -> None:
     assert results.lookup(profile, "ops.0.ms_per_step") == 9.0
     with pytest.raises(results.DocsError, match="no key"):
         results.lookup(profile, "ops.aten::mul.ms_per_step")
+    twice = {"ops": profile["ops"] + [{"op": "aten::copy_", "ms_per_step": 1.0}]}
+    with pytest.raises(results.DocsError, match="2 items named"):
+        results.lookup(twice, "ops.aten::copy_.ms_per_step")
+
 
 def test_ladder_chart_and_table_missing_then_present(tmp_path: Path) -> None:
     assert "Ladder chart not committed yet" in hook.render_ladder_chart(tmp_path, "", "index.md")

@@ -88,15 +88,18 @@ def load_result(root: Path, path: str) -> dict | None:
 
 def lookup(data: Any, key: str, path: str = "?") -> Any:
     """Follow a dotted key; list items by index or by their `engine` name (a profile's `ops` rows
-    by their `op` name, e.g. `ops.aten::index_select.ms_per_step`: a row's place moves between runs)."""
+    by their `op` name, e.g. `ops.aten::index_select.ms_per_step`: a row's place moves between runs).
+    A part of digits is an index; a name must be the only item of that name (and holds no dot)."""
     cur = data
     for part in key.split("."):
-        named = [e for e in cur if isinstance(e, dict) and part in (e.get("engine"), e.get("op"))] if isinstance(cur, list) else []
         if isinstance(cur, dict) and part in cur:
             cur = cur[part]
         elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
             cur = cur[int(part)]
-        elif named:
+        elif isinstance(cur, list) and (named := [e for e in cur if isinstance(e, dict)
+                                                  and part in (e.get("engine"), e.get("op"))]):
+            if len(named) > 1:
+                raise DocsError(f"{path}: {key!r}: {len(named)} items named {part!r}")
             cur = named[0]
         else:
             raise DocsError(f"{path}: no key {key!r} (stopped at {part!r})")
