@@ -87,9 +87,17 @@ def render_bench_value(root: Path, args: str) -> str:
 def _quantities(data: Any, key: str, path: str) -> list[float]:
     """A key's number, or with a '*' for a list, one for each item: 'overhead.pairs.*.ttft_ms', or
     a list of numbers' own items, 'floor_samples_ms.*'; in arithmetic every '*' takes the same
-    item: '=pairs.*.a - pairs.*.b'."""
+    item: '=pairs.*.a - pairs.*.b', '=samples.split.* / samples.one.*'."""
+    if key.startswith("="):
+        m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*(?!\w)", key)
+        if m is None:
+            return [_quantity(data, key, path)]
+        items = lookup(data, m.group(1), path)
+        if not isinstance(items, list) or not items:
+            raise DocsError(f"{path}: {m.group(1)!r} is not a list to take '*' over")
+        return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*", f".{i}"), path)]
     m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
-    if m is None and key.endswith(".*") and not key.startswith("="):
+    if m is None and key.endswith(".*"):
         items = lookup(data, key[:-2], path)
         if not isinstance(items, list) or not items:
             raise DocsError(f"{path}: {key[:-2]!r} is not a list to take '*' over")
@@ -100,8 +108,6 @@ def _quantities(data: Any, key: str, path: str) -> list[float]:
     items = lookup(data, head, path)
     if not isinstance(items, list) or not items:
         raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
-    if key.startswith("="):
-        return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*.", f".{i}."), path)]
     tail = key[m.end():]  # a plain key: each item's own lists are walked in turn
     return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
 
