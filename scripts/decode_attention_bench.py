@@ -12,8 +12,6 @@ step).
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -22,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.bench.envinfo import collect_env  # noqa: E402
 from common.bench.floor import median_ms  # noqa: E402
+from common.bench.results import write_script_result  # noqa: E402
 from common.model import written_out_attention  # noqa: E402
 
 SHAPES = [(4, 80), (8, 80), (16, 80), (32, 80), (64, 80), (4, 320), (16, 320), (64, 320), (16, 1024), (64, 1024),
@@ -57,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                      "samples_ms": {name: [round(t, 4) for t in ts] for name, ts in times.items()}})
         print(f"{B:4d} rows x {L:5d} keys  SDPA {s:7.3f} ms  written out {w:7.3f} ms  {w / s:5.2f}x")
     if a.json:
-        result = {"kind": "decode-attention-bench", "dtype": a.dtype, "threads": torch.get_num_threads(),
-                  "shapes": rows, "command": shlex.join(["python", "scripts/decode_attention_bench.py", *(argv or sys.argv[1:])]),
-                  "env": collect_env("cpu")}
-        Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {a.json}")
+        result = {"kind": "decode-attention-bench", "dtype": a.dtype, "threads": torch.get_num_threads(), "shapes": rows}
+        write_script_result(a.json, result, "decode_attention_bench.py", argv)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import Any, NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.bench.envinfo import collect_env  # noqa: E402
 from common.bench.floor import median_ms  # noqa: E402
+from common.bench.results import write_script_result  # noqa: E402
 from common.model import additive_mask, decode_attention  # noqa: E402
 
 HKV, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
@@ -175,12 +174,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({split / one:.2f}x); the rectangle holds {fields['padded_vs_real']:.2f}x the rows' keys, "
           f"{fields['one_vs_split_blocks']:.2f}x the split's blocks")
     if a.json:
-        out = {"kind": "decode-padding-bench", "dtype": a.dtype, "threads": torch.get_num_threads(), **fields,
-               "recorded_by": bench, "lengths": replayed,
-               "command": shlex.join(["python", "scripts/decode_padding_bench.py", *(argv or sys.argv[1:])]),
-               "env": collect_env("cpu")}
-        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {a.json}")
+        result = {"kind": "decode-padding-bench", "dtype": a.dtype, "threads": torch.get_num_threads(), **fields,
+                  "recorded_by": bench, "lengths": replayed}
+        write_script_result(a.json, result, "decode_padding_bench.py", argv)
     return 0
 
 

@@ -27,6 +27,13 @@ def write_result(path: str | Path, result: dict, program: str, argv: list[str] |
     write_json(path, {**result, "command": command, "env": collect_env(result["device"])})
 
 
+def write_script_result(path: str | Path, result: dict, script: str, argv: list[str] | None) -> None:
+    """A result of `python scripts/<script>` (the micro-benchmarks, which run on the CPU), with the
+    command that made it and where it ran."""
+    words = sys.argv[1:] if argv is None else argv
+    write_json(path, {**result, "command": shlex.join(["python", f"scripts/{script}", *words]), "env": collect_env("cpu")})
+
+
 def print_and_write(program: str, result: dict, report: str, path: str | None, argv: list[str] | None) -> int:
     """Print a `stagewise <program>` report, and write its result where `--json` said (if it did)."""
     print(report, flush=True)
