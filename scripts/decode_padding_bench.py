@@ -80,9 +80,10 @@ class Group(NamedTuple):
 
 class Step:
     """One recorded step, set up once as a paged stage would hold it: each row's own blocks, distinct,
-    from a pool of `pool_blocks`; the block table padded with block 0 (`BlockTables`' filler) up to
-    the rectangle's width; queries as the stages pass them. Rows are sorted longest first, so that
-    a cut in two is a slice."""
+    from a pool of `pool_blocks`; the block table padded with block 0 up to the rectangle's width
+    (as a fresh `BlockTables` row is; a reused row keeps its last session's entries there, masked
+    either way); queries as the stages pass them. Rows are sorted longest first, so that a cut in
+    two is a slice."""
 
     def __init__(self, lengths: list[int], pool_blocks: int, dtype: torch.dtype, g: torch.Generator) -> None:
         self.lengths = torch.tensor(sorted(lengths, reverse=True))  # [B], longest first

@@ -431,6 +431,12 @@ def test_bench_range_quoted_keys_and_arithmetic(tmp_path: Path) -> None:
     assert values.render_bench_range(tmp_path, "s.json rows.*.s.*") == "5 to 7"  # each item's list, walked
     (tmp_path / "r.json").write_text(json.dumps({"t": {"split": [1.0, 3.0], "one": [2.0, 4.0]}}))
     assert values.render_bench_range(tmp_path, 'r.json "=t.split.* / t.one.*"') == "0.50 to 0.75"  # two lists, item by item
+    (tmp_path / "u.json").write_text(json.dumps({"a": [1.0, 2.0], "b": [1.0, 2.0, 3.0], "x": 0.5}))
+    with pytest.raises(results.DocsError, match="differ in length"):  # not cut to the shorter one
+        values.render_bench_range(tmp_path, 'u.json "=a.* / b.*"')
+    with pytest.raises(results.DocsError, match="one '\\*' a key"):  # not the diagonal of rows x s
+        values.render_bench_range(tmp_path, 's.json "=rows.*.s.* * 1"')
+    assert values.render_bench_value(tmp_path, 'u.json "=x * 2.*3"') == "3"  # a number's '.*' is multiplication
     with pytest.raises(results.DocsError, match="'one' is not a list"):
         values.render_bench_range(tmp_path, "s.json one.*")
     assert values.render_bench_value(tmp_path, 'n.json "=-(runs.0.p.0.x - 1)"') == "0"  # not "−0"

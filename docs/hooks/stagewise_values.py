@@ -26,6 +26,7 @@ _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lamb
         ast.Div: lambda a, b: a / b}
 MINUS = "\u2212"  # how a negative figure is shown: a minus sign, not a hyphen, as the pages' prose writes it
 _KEY_RE = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.\w+)*")  # a dotted key in an '=' expression: results.0.x
+_STARRED_KEY_RE = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.(?:\w+|\*))*")  # ... or with a '*' for each item
 
 
 def _words(directive: str, args: str) -> list[str]:
@@ -89,13 +90,7 @@ def _quantities(data: Any, key: str, path: str) -> list[float]:
     a list of numbers' own items, 'floor_samples_ms.*'; in arithmetic every '*' takes the same
     item: '=pairs.*.a - pairs.*.b', '=samples.split.* / samples.one.*'."""
     if key.startswith("="):
-        m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*(?!\w)", key)
-        if m is None:
-            return [_quantity(data, key, path)]
-        items = lookup(data, m.group(1), path)
-        if not isinstance(items, list) or not items:
-            raise DocsError(f"{path}: {m.group(1)!r} is not a list to take '*' over")
-        return [v for i in range(len(items)) for v in _quantities(data, key.replace(".*", f".{i}"), path)]
+        return _starred_expression(data, key, path)
     m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
     if m is None and key.endswith(".*"):
         items = lookup(data, key[:-2], path)
@@ -110,6 +105,26 @@ def _quantities(data: Any, key: str, path: str) -> list[float]:
         raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
     tail = key[m.end():]  # a plain key: each item's own lists are walked in turn
     return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
+
+
+def _starred_expression(data: Any, key: str, path: str) -> list[float]:
+    """An '=' expression whose keys may each hold one '*': every '*' takes the same item, so the
+    lists must be as long as each other ('=pairs.*.a - pairs.*.b', '=split.* / one.*')."""
+    starred = [k for k in _STARRED_KEY_RE.findall(key[1:]) if ".*" in k]
+    if not starred:
+        return [_quantity(data, key, path)]
+    sizes = set()
+    for k in starred:
+        if k.count(".*") > 1:
+            raise DocsError(f"{path}: {key!r}: one '*' a key in an expression ({k!r} has more)")
+        items = lookup(data, k[:k.index(".*")], path)
+        if not isinstance(items, list) or not items:
+            raise DocsError(f"{path}: {k[:k.index('.*')]!r} is not a list to take '*' over")
+        sizes.add(len(items))
+    if len(sizes) > 1:
+        raise DocsError(f"{path}: {key!r}: its '*' lists differ in length ({sorted(sizes)})")
+    return [_quantity(data, "=" + _STARRED_KEY_RE.sub(lambda m: m.group(0).replace(".*", f".{i}"), key[1:]), path)
+            for i in range(sizes.pop())]
 
 
 def _values_of(directive: str, root: Path, args: str) -> tuple[list[float] | None, str | None]:
