@@ -9,11 +9,12 @@ stage 13's own workload, and whether a second call would buy it back.
 tokens, a KV pool for 8 at their worst, so requests of very different lengths decode side by side)
 and keeps every decode step's row lengths. The replay runs in a process of its own (in the bench's
 own process both forms timed several percent off a fresh process's figures): for every
-`--every`-th step, one layer of decode attention both ways, alternated: copy the rows' blocks out
-of a pool laid out as `KVBlockPool`'s (`index_select`), then `common.model.decode_attention`.
-SmolLM2-135M's shapes: 3 KV heads, 3 query heads each, head size 64, blocks of 16 tokens.
-Reported: each form's median over rounds of its ms a layer, per step, and how much smaller the
-split's rectangles are.
+`--every`-th step, decode attention both ways, alternated, in every layer (each its own pool, so
+the K/V come from memory, as in a step, not from a cache one layer would fit in): copy the rows'
+blocks out of a pool laid out as `KVBlockPool`'s (`index_select`), then
+`common.model.decode_attention`. SmolLM2-135M's shapes: 30 layers, 3 KV heads, 3 query heads
+each, head size 64, blocks of 16 tokens. Reported: each form's median over rounds of its ms a
+layer, per step, and how much smaller the split's rectangles are.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from common.bench.floor import median_ms  # noqa: E402
 from common.bench.results import write_script_result  # noqa: E402
 from common.model import additive_mask, decode_attention  # noqa: E402
 
-HKV, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
+LAYERS, HKV, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16
 
 
 def record_lengths(dtype: str) -> tuple[list[list[int]], dict]:
@@ -50,7 +51,8 @@ def record_lengths(dtype: str) -> tuple[list[list[int]], dict]:
 
     attention.DecodeAttention.__init__ = recording
     try:
-        result = run_stage_bench("stages.s13_preemption", ["--dtype", dtype, "--warmup-runs", "0", "--repeat-runs", "1"])
+        argv = ["--dtype", dtype, "--warmup-runs", "0", "--repeat-runs", "1"]
+        result = run_stage_bench("stages.s13_preemption", argv)
     finally:
         attention.DecodeAttention.__init__ = init
     return steps, result
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--record", default=None, help="run stage 13's bench and write its steps' row lengths here")
     group.add_argument("--lengths", default=None, help="replay the steps of a --record file (or a JSON list of steps)")
     p.add_argument("--every", type=int, default=8, help="replay every Nth recorded step")
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers a step, each with its own pool")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-time-s", type=float, default=0.2)
     p.add_argument("--json", default=None)
@@ -149,23 +152,25 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     # the recording engine's pool (stage 13's BENCH: 280 blocks), else one that holds the largest step
     pool_blocks = (bench.get("kv") or {}).get("num_blocks") or sum(-(-n // BLOCK) for n in max(replayed, key=sum)) + 1
-    k, v = (torch.randn(HKV * pool_blocks, BLOCK * HEAD_DIM, generator=g).to(dtype) for _ in range(2))  # one layer
+    pools = [tuple(torch.randn(HKV * pool_blocks, BLOCK * HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+             for _ in range(a.layers)]  # each layer's K and V
     steps = [Step(s, pool_blocks, dtype, g) for s in replayed]
     scratch = torch.empty(2 * max(st.one[0].index.numel() for st in steps), BLOCK * HEAD_DIM, dtype=dtype)
+    k, v = pools[0]
     worst = max(float((st.attend(k, v, st.one, scratch) - st.attend(k, v, st.split, scratch)).abs().max())
                 for st in steps)
 
-    forms = {"one": lambda: [st.attend(k, v, st.one, scratch) for st in steps],
-             "split": lambda: [st.attend(k, v, st.split, scratch) for st in steps]}
+    forms = {"one": lambda: [st.attend(k, v, st.one, scratch) for st in steps for k, v in pools],
+             "split": lambda: [st.attend(k, v, st.split, scratch) for st in steps for k, v in pools]}
     times: dict[str, list[float]] = {"one": [], "split": []}
     for r in range(a.rounds):  # alternated, the order flipped each round
         for name in (("one", "split") if r % 2 == 0 else ("split", "one")):
             times[name].append(median_ms(forms[name], torch.device("cpu"), warmup=1, repeats=3,
-                                         min_time_s=a.min_time_s) / len(steps))
+                                         min_time_s=a.min_time_s) / (len(steps) * a.layers))
     one, split = statistics.median(times["one"]), statistics.median(times["split"])
     real = sum(st.real_tokens for st in steps)
     fields = {
-        "steps_recorded": len(recorded), "steps_replayed": len(steps), "every": a.every,
+        "steps_recorded": len(recorded), "steps_replayed": len(steps), "every": a.every, "layers": a.layers,
         "padded_vs_real": sum(st.one_blocks for st in steps) * BLOCK / real,  # one rectangle's keys / the rows' own
         "one_vs_split_blocks": sum(st.one_blocks for st in steps) / sum(st.split_blocks for st in steps),
         "one_ms": one, "split_ms": split, "split_vs_one": split / one, "max_abs_difference": worst,

@@ -58,10 +58,11 @@ def test_the_split_attends_as_one_rectangle_and_the_result_says_so(tmp_path: Pat
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([[300, 40, 35, 17], [], [64, 64], [5]]))
     out = tmp_path / "padding.json"
-    assert bench.main(["--lengths", str(lengths), "--every", "1", "--dtype", dtype, "--rounds", "2",
-                       "--min-time-s", "0.001", "--json", str(out)]) == 0
+    assert bench.main(["--lengths", str(lengths), "--every", "1", "--layers", "2", "--dtype", dtype,
+                       "--rounds", "2", "--min-time-s", "0.001", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["steps_recorded"] == 4 and result["steps_replayed"] == 3  # the empty step is skipped
+    assert result["layers"] == 2
     assert result["lengths"] == [[300, 40, 35, 17], [64, 64], [5]]
     # the same attention: masked keys weigh nothing, whatever the rectangle's width
     assert result["max_abs_difference"] <= (1e-5 if dtype == "float32" else 2e-2)
@@ -79,8 +80,8 @@ def test_a_record_file_replays_with_the_bench_that_wrote_it(tmp_path: Path) -> N
     lengths = tmp_path / "record.json"
     lengths.write_text(json.dumps({"bench": {"dtype": "float32", "decode_step_ms": 80.0}, "env": {}, "steps": [[40, 3]]}))
     out = tmp_path / "padding.json"
-    assert bench.main(["--lengths", str(lengths), "--every", "1", "--dtype", "float32", "--rounds", "1",
-                       "--min-time-s", "0.001", "--json", str(out)]) == 0
+    assert bench.main(["--lengths", str(lengths), "--every", "1", "--layers", "1", "--dtype", "float32",
+                       "--rounds", "1", "--min-time-s", "0.001", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["recorded_by"] == {"dtype": "float32", "decode_step_ms": 80.0} and result["lengths"] == [[40, 3]]
     with pytest.raises(SystemExit):  # one of --record and --lengths, not neither
