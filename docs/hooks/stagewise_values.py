@@ -93,18 +93,21 @@ def _quantities(data: Any, key: str, path: str) -> list[float]:
         return _starred_expression(data, key, path)
     m = re.search(r"([A-Za-z_]\w*(?:\.\w+)*)\.\*\.", key)
     if m is None and key.endswith(".*"):
-        items = lookup(data, key[:-2], path)
-        if not isinstance(items, list) or not items:
-            raise DocsError(f"{path}: {key[:-2]!r} is not a list to take '*' over")
-        return [_quantity(data, f"{key[:-2]}.{i}", path) for i in range(len(items))]
+        return [_quantity(data, f"{key[:-2]}.{i}", path) for i in range(len(_star_list(data, key[:-2], path)))]
     if m is None:
         return [_quantity(data, key, path)]
     head = m.group(1)
+    items = _star_list(data, head, path)
+    tail = key[m.end():]  # a plain key: each item's own lists are walked in turn
+    return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
+
+
+def _star_list(data: Any, head: str, path: str) -> list:
+    """The non-empty list a '*' after `head` runs over."""
     items = lookup(data, head, path)
     if not isinstance(items, list) or not items:
         raise DocsError(f"{path}: {head!r} is not a list to take '*' over")
-    tail = key[m.end():]  # a plain key: each item's own lists are walked in turn
-    return [v for i in range(len(items)) for v in _quantities(data, f"{head}.{i}.{tail}", path)]
+    return items
 
 
 def _starred_expression(data: Any, key: str, path: str) -> list[float]:
@@ -117,10 +120,7 @@ def _starred_expression(data: Any, key: str, path: str) -> list[float]:
     for k in starred:
         if k.count(".*") > 1:
             raise DocsError(f"{path}: {key!r}: one '*' a key in an expression ({k!r} has more)")
-        items = lookup(data, k[:k.index(".*")], path)
-        if not isinstance(items, list) or not items:
-            raise DocsError(f"{path}: {k[:k.index('.*')]!r} is not a list to take '*' over")
-        sizes.add(len(items))
+        sizes.add(len(_star_list(data, k[:k.index(".*")], path)))
     if len(sizes) > 1:
         raise DocsError(f"{path}: {key!r}: its '*' lists differ in length ({sorted(sizes)})")
     return [_quantity(data, "=" + _STARRED_KEY_RE.sub(lambda m: m.group(0).replace(".*", f".{i}"), key[1:]), path)
