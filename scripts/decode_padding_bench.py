@@ -11,7 +11,7 @@ and keeps every decode step's row lengths. The replay runs in a process of its o
 own process both forms timed several percent off a fresh process's figures): for every
 `--every`-th step, decode attention both ways, alternated, in every layer (each its own pool, so
 the K/V come from memory, as in a step, not from a cache one layer would fit in): copy the rows'
-blocks out of a pool laid out as `KVBlockPool`'s (`index_select`), then
+blocks out of stage 13's own `KVBlockPool` (`block_rows`, `gather_blocks`), then
 `common.model.decode_attention`. SmolLM2-135M's shapes: 30 layers, 3 KV heads, 3 query heads
 each, head size 64, blocks of 16 tokens. Reported: each form's median over rounds of its ms a
 layer, per step, and how much smaller the split's rectangles are.
@@ -31,7 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.bench.floor import median_ms  # noqa: E402
 from common.bench.results import write_script_result  # noqa: E402
+from common.config import ModelConfig  # noqa: E402
 from common.model import additive_mask, decode_attention  # noqa: E402
+from stages.s13_preemption.kv_cache import KVBlockPool  # noqa: E402
 
 LAYERS, HKV, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16
 
@@ -72,56 +74,63 @@ def split_point(blocks: list[int]) -> tuple[int, int]:
 
 
 class Group(NamedTuple):
-    """Some of a step's rows as one rectangle: which rows, the pool rows to copy out (one index for
-    K and V, head after head: [Hkv * n * nb]), and the length mask [1, n, 1, nb * bs]."""
+    """Some of a step's rows as one rectangle: which rows, their blocks' rows in the pool
+    (`KVBlockPool.block_rows`), and the length mask [1, n, 1, nb * bs]."""
 
     rows: slice
     index: torch.Tensor
     mask: torch.Tensor
 
 
+def kv_pool(num_blocks: int, layers: int, dtype: torch.dtype, g: torch.Generator) -> KVBlockPool:
+    """Stage 13's own pool, with SmolLM2-135M's K/V shapes, every block of every layer random."""
+    config = ModelConfig(arch="llama", vocab_size=1, hidden_size=HKV * GROUP * HEAD_DIM, num_layers=layers,
+                         num_heads=HKV * GROUP, num_kv_heads=HKV, head_dim=HEAD_DIM, intermediate_size=1,
+                         max_position_embeddings=8192, norm_eps=1e-5)
+    pool = KVBlockPool(config, num_blocks, BLOCK, dtype, torch.device("cpu"))
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return pool
+
+
 class Step:
     """One recorded step, set up once as a paged stage would hold it: each row's own blocks, distinct,
-    from a pool of `pool_blocks`; the block table padded with block 0 up to the rectangle's width
-    (as a fresh `BlockTables` row is; a reused row keeps its last session's entries there, masked
-    either way); queries as the stages pass them. Rows are sorted longest first, so that a cut in
-    two is a slice."""
+    from the pool; the block table padded with block 0 up to the rectangle's width (as a fresh
+    `BlockTables` row is; a reused row keeps its last session's entries there, masked either way);
+    queries as the stages pass them. Rows are sorted longest first, so that a cut in two is a slice."""
 
-    def __init__(self, lengths: list[int], pool_blocks: int, dtype: torch.dtype, g: torch.Generator) -> None:
+    def __init__(self, lengths: list[int], pool: KVBlockPool, g: torch.Generator) -> None:
         self.lengths = torch.tensor(sorted(lengths, reverse=True))  # [B], longest first
         counts = [-(-n // BLOCK) for n in self.lengths.tolist()]
         B, nb = len(counts), counts[0]
-        free = torch.randperm(pool_blocks - 1, generator=g) + 1  # block 0 pads the tables
+        free = torch.randperm(pool.allocator.num_blocks - 1, generator=g) + 1  # block 0 pads the tables
         self.table = torch.zeros(B, nb, dtype=torch.long)  # [B, nb]
         taken = 0
         for i, c in enumerate(counts):  # a longer step than the pool holds reuses blocks: fine for timing
             self.table[i, :c] = free[torch.arange(taken, taken + c) % free.numel()]
             taken += c
+        dtype = pool.k[0].dtype
         self.q = torch.randn(B, HKV, GROUP, HEAD_DIM, generator=g).to(dtype).transpose(0, 1)  # [Hkv, B, G, D] view
         cut, self.split_blocks = split_point(counts)
         self.one_blocks, self.real_tokens = B * nb, int(self.lengths.sum())
-        self.one = [self.group(0, B, nb, pool_blocks, dtype)]
-        self.split = [self.group(0, cut, nb, pool_blocks, dtype)]
+        self.one = [self.group(pool, 0, B, nb)]
+        self.split = [self.group(pool, 0, cut, nb)]
         if cut < B:
-            self.split.append(self.group(cut, B, counts[cut], pool_blocks, dtype))
+            self.split.append(self.group(pool, cut, B, counts[cut]))
 
-    def group(self, lo: int, hi: int, nb: int, pool_blocks: int, dtype: torch.dtype) -> Group:
-        """Rows lo..hi-1 as one rectangle of nb blocks each (`KVBlockPool.block_rows`' index)."""
-        heads = torch.arange(HKV) * pool_blocks  # [Hkv]: where each head's blocks start in the flat pool
-        index = (heads[:, None] + self.table[lo:hi, :nb].reshape(-1)[None, :]).reshape(-1)  # [Hkv * n * nb]
+    def group(self, pool: KVBlockPool, lo: int, hi: int, nb: int) -> Group:
+        """Rows lo..hi-1 as one rectangle of nb blocks each."""
         keys = torch.arange(nb * BLOCK)
-        mask = additive_mask((keys < self.lengths[lo:hi, None])[None, :, None, :], dtype)  # [1, n, 1, nb * bs]
-        return Group(slice(lo, hi), index, mask)
+        mask = additive_mask((keys < self.lengths[lo:hi, None])[None, :, None, :], pool.k[0].dtype)  # [1, n, 1, nb * bs]
+        return Group(slice(lo, hi), pool.block_rows(self.table[lo:hi, :nb].reshape(-1)), mask)
 
-    def attend(self, k: torch.Tensor, v: torch.Tensor, groups: list[Group], scratch: torch.Tensor) -> torch.Tensor:
-        """One layer: each group's blocks copied out of the pool into a reused buffer (as
-        `KVBlockPool.gather_blocks` does), then attention over them -> [Hkv, B, G, D]."""
+    def attend(self, pool: KVBlockPool, layer: int, groups: list[Group]) -> torch.Tensor:
+        """One layer, as `DecodeAttention` does it: each group's blocks copied out of the pool into
+        its reused buffer (`gather_blocks`), then attention over them -> [Hkv, B, G, D]."""
         outs = []
         for rows, index, mask in groups:
-            n, size = rows.stop - rows.start, index.numel()
-            keys, values = scratch[:size], scratch[size:2 * size]  # [Hkv * n * nb, bs * D] each
-            torch.index_select(k, 0, index, out=keys)
-            torch.index_select(v, 0, index, out=values)
+            n = rows.stop - rows.start
+            keys, values = pool.gather_blocks(layer, index)  # [Hkv, n * nb, bs, D]
             outs.append(decode_attention(self.q[:, rows], keys.view(HKV, n, -1, HEAD_DIM),
                                          values.view(HKV, n, -1, HEAD_DIM), mask))  # [Hkv, n, G, D]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # rows longest first
@@ -152,16 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     # the recording engine's pool (stage 13's BENCH: 280 blocks), else one that holds the largest step
     pool_blocks = (bench.get("kv") or {}).get("num_blocks") or sum(-(-n // BLOCK) for n in max(replayed, key=sum)) + 1
-    pools = [tuple(torch.randn(HKV * pool_blocks, BLOCK * HEAD_DIM, generator=g).to(dtype) for _ in range(2))
-             for _ in range(a.layers)]  # each layer's K and V
-    steps = [Step(s, pool_blocks, dtype, g) for s in replayed]
-    scratch = torch.empty(2 * max(st.one[0].index.numel() for st in steps), BLOCK * HEAD_DIM, dtype=dtype)
-    k, v = pools[0]
-    worst = max(float((st.attend(k, v, st.one, scratch) - st.attend(k, v, st.split, scratch)).abs().max())
-                for st in steps)
+    pool = kv_pool(pool_blocks, a.layers, dtype, g)
+    steps = [Step(s, pool, g) for s in replayed]
+    worst = max(float((st.attend(pool, 0, st.one) - st.attend(pool, 0, st.split)).abs().max()) for st in steps)
 
-    forms = {"one": lambda: [st.attend(k, v, st.one, scratch) for st in steps for k, v in pools],
-             "split": lambda: [st.attend(k, v, st.split, scratch) for st in steps for k, v in pools]}
+    layers = range(a.layers)
+    forms = {"one": lambda: [st.attend(pool, i, st.one) for st in steps for i in layers],
+             "split": lambda: [st.attend(pool, i, st.split) for st in steps for i in layers]}
     times: dict[str, list[float]] = {"one": [], "split": []}
     for r in range(a.rounds):  # alternated, the order flipped each round
         for name in (("one", "split") if r % 2 == 0 else ("split", "one")):

@@ -38,18 +38,18 @@ def test_each_row_attends_over_exactly_its_own_keys_both_ways() -> None:
 
     bench = load_script()
     g = torch.Generator().manual_seed(0)
-    pool_blocks, H, D, bs = 40, bench.HKV, bench.HEAD_DIM, bench.BLOCK
-    step = bench.Step([33, 200, 7, 90, 16], pool_blocks, torch.float32, g)
-    k, v = (torch.randn(H * pool_blocks, bs * D, generator=g) for _ in range(2))
-    scratch = torch.empty(2 * step.one[0].index.numel(), bs * D)
+    H, D, bs = bench.HKV, bench.HEAD_DIM, bench.BLOCK
+    pool = bench.kv_pool(40, 2, torch.float32, g)
+    step = bench.Step([33, 200, 7, 90, 16], pool, g)
     assert len(step.split) == 2  # these lengths are worth a cut
-    for groups in (step.one, step.split):
-        out = step.attend(k, v, groups, scratch)  # [Hkv, B, G, D], rows longest first
-        for i, n in enumerate(step.lengths.tolist()):
-            blocks = step.table[i, : -(-n // bs)]
-            keys, values = (t.view(H, pool_blocks, bs, D)[:, blocks].reshape(H, -1, D)[:, :n] for t in (k, v))
-            expected = F.scaled_dot_product_attention(step.q[:, i], keys, values)  # [Hkv, G, D]
-            torch.testing.assert_close(out[:, i], expected, rtol=1e-5, atol=1e-5)
+    for layer in (0, 1):
+        for groups in (step.one, step.split):
+            out = step.attend(pool, layer, groups)  # [Hkv, B, G, D], rows longest first
+            for i, n in enumerate(step.lengths.tolist()):
+                blocks = step.table[i, : -(-n // bs)]
+                keys, values = (t[layer][:, blocks].reshape(H, -1, D)[:, :n] for t in (pool.k, pool.v))
+                expected = F.scaled_dot_product_attention(step.q[:, i], keys, values)  # [Hkv, G, D]
+                torch.testing.assert_close(out[:, i], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
