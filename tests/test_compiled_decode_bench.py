@@ -1,0 +1,60 @@
+"""scripts/compiled_decode_bench.py: the compiled bucket forward computes what the eager one does,
+its attention through the opaque op; and the summary's arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compiled_decode_bench.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("compiled_decode_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def test_same_tokens_counts_up_to_where_runs_part() -> None:
+    assert bench.same_tokens([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == 1.0
+    assert bench.same_tokens([[1, 2, 3, 4]], [[1, 9, 3, 4]]) == 0.25  # what follows a parting counts as parted
+    assert bench.same_tokens([[1, 2], [7, 8]], [[1, 2], [6, 8]]) == 0.5
+
+
+def test_summarize_pairs_forms_per_batch() -> None:
+    runs = [
+        {"form": "eager", "batch": 4, "step_ms": 10.0, "floor_ms": 5.0, "compile_s": {}, "tokens": [[1, 2]]},
+        {"form": "compiled", "batch": 4, "step_ms": 8.0, "floor_ms": None, "compile_s": {"4": 3.0}, "tokens": [[1, 2]]},
+        {"form": "compiled", "batch": 4, "step_ms": 9.0, "floor_ms": None, "compile_s": {"4": 5.0}, "tokens": [[1, 3]]},
+        {"form": "eager", "batch": 4, "step_ms": 12.0, "floor_ms": 6.0, "compile_s": {}, "tokens": [[1, 2]]},
+    ]
+    (row,) = bench.summarize(runs)
+    assert row["eager_ms"] == 11.0 and row["compiled_ms"] == 8.5 and row["floor_ms"] == 5.5
+    assert row["compiled_vs_eager"] == pytest.approx(8.5 / 11.0)
+    assert row["ratio_per_round"] == [0.8, 0.75]  # each round's compiled over that round's eager
+    assert row["compile_s"] == 4.0 and row["same_tokens"] == 1.0  # the first round's tokens
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor compiles C++ on a CPU: no compiler here")
+def test_compiled_step_matches_eager_on_the_tiny_model() -> None:
+    """Each form in a fresh process, as the bench runs them: the compiled steps' greedy tokens are
+    the eager ones (fp32), every layer of every compiled step went through the opaque op, and the
+    graph's compile was timed."""
+    a = argparse.Namespace(stage="14", model="tiny", dtype="float32", steps=2, prompt_len=8, seed=0)
+    eager, compiled = (bench.spawn(form, 2, a) for form in bench.FORMS)
+    assert compiled["tokens"] == eager["tokens"]
+    assert eager["attention_op_calls"] == 0 and eager["floor_ms"] > 0
+    layers = 2  # the tiny model's
+    assert compiled["attention_op_calls"] >= layers * (2 + 4) and compiled["attention_op_calls"] % layers == 0
+    assert compiled["compile_s"] and all(s > 0 for s in compiled["compile_s"].values())
