@@ -11,8 +11,8 @@ a step of B rows runs the bucket function `DecodeGraphs.forward`, shapes fixed a
   the weights frozen into it (inductor then packs them for oneDNN itself, so the eager packing is
   left out). Attention stays out of the graph, as vLLM keeps it out (its `unified_attention`
   custom op): one opaque op a layer, `stagewise_question::attention`, that calls the stage's own
-  paged attention. Traced into the graph, the pool's writes and gathers become inductor's loops,
-  and at 16 and 64 rows the step took two to three times the eager one.
+  paged attention. Traced into the graph (tried by hand), the pool's writes and gathers became
+  inductor's own loops, and at 16 and 64 rows the step was slower than the eager one.
 
 Each (form, batch) runs in a process of its own, alternated, the order flipped each round: the
 median step over `profile-decode`'s window of steps (`DecodeWindow`), on its random prompts. The
