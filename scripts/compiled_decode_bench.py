@@ -18,7 +18,9 @@ Each (form, batch) runs in a process of its own, alternated, the order flipped e
 median step over `profile-decode`'s window of steps (`DecodeWindow`), on its random prompts. The
 eager process also times the matmul floor; the compiled one its compiles. Both decode the same
 prompts greedily, and the share of identical tokens says the compiled step computes the same thing
-(in bf16 a fused graph rounds differently, so a few may part).
+(in bf16 a fused graph rounds differently, so a few may part). In fp32 the eager process also times
+the matmuls the way inductor runs them (`exact_pack_floor_ms`): part of what the compiled step gains
+there is not fusion but MKL's weights packed for exactly its batch size.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common.model  # noqa: E402
-from common.bench.floor import matmul_floor_ms  # noqa: E402
+from common.bench.floor import decode_matmuls, matmul_floor_ms, median_ms  # noqa: E402
 from common.bench.profile_decode import DecodeWindow, decode_tokens  # noqa: E402
 from common.bench.profiling import stage_class, stage_engine  # noqa: E402
 from common.bench.results import write_script_result  # noqa: E402
@@ -99,6 +101,25 @@ def compile_buckets(model: torch.nn.Module, compiles: dict[int, float]) -> None:
     model.forward = forward
 
 
+@torch.inference_mode()
+def exact_pack_floor_ms(model: torch.nn.Module, batch: int) -> float | None:
+    """fp32 only: the step's matmuls as inductor runs a frozen fp32 weight, through MKL's packed
+    sgemm (`mkl._mkl_linear`), every weight packed for exactly `batch` rows. MKL's packing serves
+    only the rows it was packed for (any other count runs the plain product), so an eager engine,
+    whose batch changes from step to step, would need a copy of the weights for every size."""
+    if model.lm_head_weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(batch, w.shape[1], generator=gen), torch.ops.mkl._mkl_reorder_linear_weight(w, batch), w, b)
+            for w, b, _, _ in decode_matmuls(model)]
+
+    def step() -> None:
+        for x, packed, w, b in mats:
+            torch.ops.mkl._mkl_linear(x, packed, w, b, batch)
+
+    return median_ms(step, torch.device("cpu"), warmup=5, repeats=30, min_time_s=0.3)
+
+
 def measure(form: str, batch: int, a: argparse.Namespace) -> dict:
     """One form at one batch size, in this process: the window's step times, and the tokens."""
     args = argparse.Namespace(stage=a.stage, model=a.model, device="cpu", dtype=a.dtype, batch=batch,
@@ -120,9 +141,10 @@ def measure(form: str, batch: int, a: argparse.Namespace) -> dict:
     times = window.run(engine, requests, profiled=False)
     tokens = [c.token_ids for c in engine.generate(requests)]
     floor = matmul_floor_ms(loaded.model, batch, min_time_s=0.3) if form == "eager" else None
+    exact = exact_pack_floor_ms(loaded.model, batch) if form == "eager" else None
     return {"form": form, "batch": batch, "stage": package.rsplit(".", 1)[-1], "dtype": str(loaded.dtype)[6:],
             "step_ms": statistics.median(times), "step_samples_ms": [round(t, 3) for t in times],
-            "floor_ms": floor, "compile_s": compiles, "attention_op_calls": _CALLS[0], "tokens": tokens}
+            "floor_ms": floor, "exact_pack_floor_ms": exact, "compile_s": compiles, "attention_op_calls": _CALLS[0], "tokens": tokens}
 
 
 def spawn(form: str, batch: int, a: argparse.Namespace) -> dict:
@@ -149,9 +171,11 @@ def summarize(runs: list[dict]) -> list[dict]:
         by = {f: [r for r in runs if r["batch"] == batch and r["form"] == f] for f in FORMS}
         eager, compiled = (statistics.median(r["step_ms"] for r in by[f]) for f in FORMS)
         floor = statistics.median(r["floor_ms"] for r in by["eager"])
+        exact = [r["exact_pack_floor_ms"] for r in by["eager"] if r.get("exact_pack_floor_ms") is not None]
         rows.append({
             "batch": batch, "eager_ms": eager, "compiled_ms": compiled, "compiled_vs_eager": compiled / eager,
             "floor_ms": floor, "eager_x_floor": eager / floor, "compiled_x_floor": compiled / floor,
+            "exact_pack_floor_ms": statistics.median(exact) if exact else None,
             "samples_ms": {f: [round(r["step_ms"], 3) for r in by[f]] for f in FORMS},
             "ratio_per_round": [round(c["step_ms"] / e["step_ms"], 4) for e, c in zip(by["eager"], by["compiled"])],
             "compile_s": statistics.median(s for r in by["compiled"] for s in r["compile_s"].values()),

@@ -43,6 +43,9 @@ def test_summarize_pairs_forms_per_batch() -> None:
     assert row["compiled_vs_eager"] == pytest.approx(8.5 / 11.0)
     assert row["ratio_per_round"] == [0.8, 0.75]  # each round's compiled over that round's eager
     assert row["compile_s"] == 4.0 and row["same_tokens"] == 1.0  # the first round's tokens
+    assert row["exact_pack_floor_ms"] is None  # none measured (bf16, or no MKL)
+    runs[0]["exact_pack_floor_ms"], runs[3]["exact_pack_floor_ms"] = 3.0, 4.0
+    assert bench.summarize(runs)[0]["exact_pack_floor_ms"] == 3.5
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -55,6 +58,8 @@ def test_compiled_step_matches_eager_on_the_tiny_model() -> None:
     eager, compiled = (bench.spawn(form, 2, a) for form in bench.FORMS)
     assert compiled["tokens"] == eager["tokens"]
     assert eager["attention_op_calls"] == 0 and eager["floor_ms"] > 0
+    assert compiled["exact_pack_floor_ms"] is None  # timed by the eager process only
+    assert eager["exact_pack_floor_ms"] is None or eager["exact_pack_floor_ms"] > 0  # None: no MKL in this torch
     layers = 2  # the tiny model's
     assert compiled["attention_op_calls"] >= layers * (2 + 4) and compiled["attention_op_calls"] % layers == 0
     assert compiled["compile_s"] and all(s > 0 for s in compiled["compile_s"].values())
