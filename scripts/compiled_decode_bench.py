@@ -16,7 +16,8 @@ a step of B rows runs the bucket function `DecodeGraphs.forward`, shapes fixed a
 
 Each (form, batch) runs in a process of its own, alternated, the order flipped each round: the
 median step over `profile-decode`'s window of steps (`DecodeWindow`), on its random prompts. The
-eager process also times the matmul floor; the compiled one its compiles. Both decode the same
+eager process also times the matmul floor; the compiled one its compiles, cold (each process has an
+inductor cache of its own, empty), and counts its graphs. Both decode the same
 prompts greedily, and the share of identical tokens says the compiled step computes the same thing
 (in bf16 a fused graph rounds differently, so a few may part). In fp32 the eager process also times
 the matmuls the way inductor runs them (`exact_pack_floor_ms`): part of what the compiled step gains
@@ -32,6 +33,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -85,7 +87,7 @@ def compile_buckets(model: torch.nn.Module, compiles: dict[int, float]) -> None:
     forward (a prefill, a chunk) stays eager. `compiles`: batch size -> seconds of its first call."""
     eager = model.forward
     compiled = torch.compile(lambda ids, positions, rows: eager(ids, positions, through_op, logits_indices=rows),
-                             dynamic=False)
+                             dynamic=False, fullgraph=True)  # fullgraph: a graph break is an error, not a quiet eager piece
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, attention: Any, logits_indices: Any = None,
                 captured: bool = False) -> torch.Tensor:
@@ -144,14 +146,17 @@ def measure(form: str, batch: int, a: argparse.Namespace) -> dict:
     exact = exact_pack_floor_ms(loaded.model, batch) if form == "eager" else None
     return {"form": form, "batch": batch, "stage": package.rsplit(".", 1)[-1], "dtype": str(loaded.dtype)[6:],
             "step_ms": statistics.median(times), "step_samples_ms": [round(t, 3) for t in times],
-            "floor_ms": floor, "exact_pack_floor_ms": exact, "compile_s": compiles, "attention_op_calls": _CALLS[0], "tokens": tokens}
+            "floor_ms": floor, "exact_pack_floor_ms": exact, "compile_s": compiles, "attention_op_calls": _CALLS[0],
+            "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]), "tokens": tokens}
 
 
 def spawn(form: str, batch: int, a: argparse.Namespace) -> dict:
     """`measure` in a fresh process of this script (its last stdout line is the JSON)."""
     cmd = [sys.executable, __file__, "--child", form, str(batch), "--stage", a.stage, "--model", a.model,
            "--dtype", a.dtype, "--steps", str(a.steps), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed)]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), check=True, stdout=subprocess.PIPE, text=True).stdout
+    with tempfile.TemporaryDirectory(prefix="stagewise-inductor-") as cache:  # every compile cold, none from a cache
+        env = {**child_env(), "TORCHINDUCTOR_CACHE_DIR": cache}
+        out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -179,6 +184,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "samples_ms": {f: [round(r["step_ms"], 3) for r in by[f]] for f in FORMS},
             "ratio_per_round": [round(c["step_ms"] / e["step_ms"], 4) for e, c in zip(by["eager"], by["compiled"])],
             "compile_s": statistics.median(s for r in by["compiled"] for s in r["compile_s"].values()),
+            "compile_s_per_round": [r["compile_s"] for r in by["compiled"]],
             "same_tokens": same_tokens(by["eager"][0]["tokens"], by["compiled"][0]["tokens"]),
         })
     return rows

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compiled_decode_bench.py"
 
@@ -63,3 +65,19 @@ def test_compiled_step_matches_eager_on_the_tiny_model() -> None:
     layers = 2  # the tiny model's
     assert compiled["attention_op_calls"] >= layers * (2 + 4) and compiled["attention_op_calls"] % layers == 0
     assert compiled["compile_s"] and all(s > 0 for s in compiled["compile_s"].values())
+    assert compiled["compiled_graphs"] >= 1 and eager["compiled_graphs"] == 0  # a fallback to eager compiles none
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="a torch without MKL")
+def test_exact_pack_floor_times_the_plain_product_in_fp32_only() -> None:
+    """What the fp32 floor times is F.linear's product (MKL's packed sgemm at the rows it was packed
+    for, the plain one at any other), and bf16 gets no such floor."""
+    from common.loader import load_model
+
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 40, generator=gen), torch.randn(4, 40, generator=gen)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 4)
+    assert torch.allclose(torch.ops.mkl._mkl_linear(x, packed, w, None, 4), F.linear(x, w), atol=1e-5)
+    assert torch.allclose(torch.ops.mkl._mkl_linear(x[:3], packed, w, None, 4), F.linear(x[:3], w), atol=1e-5)
+    assert bench.exact_pack_floor_ms(load_model("tiny", device="cpu", dtype="bfloat16").model, 2) is None
+    assert bench.exact_pack_floor_ms(load_model("tiny", device="cpu", dtype="float32").model, 2) > 0
