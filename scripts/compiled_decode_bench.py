@@ -8,8 +8,8 @@ a step of B rows runs the bucket function `DecodeGraphs.forward`, shapes fixed a
 
 - **eager**: as the stages run it, weights packed for oneDNN (`common/linear.py`);
 - **compiled**: the model's forward in that bucket compiled by inductor, one graph per batch size,
-  the weights frozen into it (inductor then packs them for oneDNN itself, so the eager packing is
-  left out). Attention stays out of the graph, as vLLM keeps it out (its `unified_attention`
+  the weights frozen into it (inductor then packs them itself, for oneDNN in bf16 and for MKL in
+  fp32, so the eager packing is left out). Attention stays out of the graph, as vLLM keeps it out (its `unified_attention`
   custom op): one opaque op a layer, `stagewise_question::attention`, that calls the stage's own
   paged attention. Traced into the graph (tried by hand), the pool's writes and gathers became
   inductor's own loops, and at 16 and 64 rows the step was slower than the eager one.
