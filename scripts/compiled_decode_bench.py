@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common.model  # noqa: E402
 from common.bench.floor import decode_matmuls, matmul_floor_ms, median_ms  # noqa: E402
+from common.bench.parity import first_difference  # noqa: E402
 from common.bench.profile_decode import DecodeWindow, decode_tokens  # noqa: E402
 from common.bench.profiling import stage_class, stage_engine  # noqa: E402
 from common.bench.results import write_script_result  # noqa: E402
@@ -144,7 +145,7 @@ def measure(form: str, batch: int, a: argparse.Namespace) -> dict:
     tokens = [c.token_ids for c in engine.generate(requests)]
     floor = matmul_floor_ms(loaded.model, batch, min_time_s=0.3) if form == "eager" else None
     exact = exact_pack_floor_ms(loaded.model, batch) if form == "eager" else None
-    return {"form": form, "batch": batch, "stage": package.rsplit(".", 1)[-1], "dtype": str(loaded.dtype)[6:],
+    return {"form": form, "batch": batch, "stage": package.rsplit(".", 1)[-1], "dtype": str(loaded.dtype).removeprefix("torch."),
             "step_ms": statistics.median(times), "step_samples_ms": [round(t, 3) for t in times],
             "floor_ms": floor, "exact_pack_floor_ms": exact, "compile_s": compiles, "attention_op_calls": _CALLS[0],
             "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]), "tokens": tokens}
@@ -164,8 +165,8 @@ def same_tokens(a: list[list[int]], b: list[list[int]]) -> float:
     """Share of positions where two runs' tokens agree, each request up to where they first part."""
     agree = total = 0
     for x, y in zip(a, b):
-        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-        agree, total = agree + n, total + max(len(x), len(y))
+        at = first_difference(x, y)
+        agree, total = agree + (len(x) if at is None else at), total + max(len(x), len(y))
     return agree / total if total else 1.0
 
 
