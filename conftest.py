@@ -12,7 +12,9 @@ which bf16, CUDA's default dtype, would not allow). Unset, everything runs on th
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,17 @@ def pytest_configure(config) -> None:
 
 def stage_module(name: str):
     return importlib.import_module(f"stages.{name}")
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module: scripts/ is no package, so its tests load each file by path.
+    Registered in sys.modules under its name, as an import would be (torch.compile looks a
+    module's functions up there)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def streaming_packages() -> list[str]:

@@ -4,27 +4,15 @@ its attention through the opaque op; and the summary's arithmetic."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compiled_decode_bench.py"
+from conftest import load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("compiled_decode_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("compiled_decode_bench")
 
 
 def test_same_tokens_counts_up_to_where_runs_part() -> None:

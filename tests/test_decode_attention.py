@@ -78,14 +78,11 @@ def test_a_masked_key_gets_no_weight_on_the_written_out_path(monkeypatch) -> Non
 
 def test_the_micro_benchmark_writes_both_forms_for_every_shape(tmp_path) -> None:
     """scripts/decode_attention_bench.py, whose result the threshold and the docs cite."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_attention_bench.py"
-    spec = importlib.util.spec_from_file_location("decode_attention_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from conftest import load_script
+
+    bench = load_script("decode_attention_bench")
     out = tmp_path / "bench.json"
     assert bench.main(["--rounds", "2", "--min-time-s", "0.001", "--json", str(out)]) == 0
     result = json.loads(out.read_text())

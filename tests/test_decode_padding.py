@@ -4,24 +4,16 @@ the padding differs), and must cut where the two rectangles hold the fewest bloc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "scripts" / "decode_padding_bench.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("decode_padding_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_split_point_cuts_where_the_two_rectangles_are_smallest() -> None:
-    bench = load_script()
+    bench = load_script("decode_padding_bench")
     # one long row and three short ones: the long one alone, the rest at their own width
     assert bench.split_point([10, 2, 2, 2]) == (1, 10 + 3 * 2)
     # rows of one length: no cut beats one rectangle
@@ -36,7 +28,7 @@ def test_each_row_attends_over_exactly_its_own_keys_both_ways() -> None:
     import torch
     import torch.nn.functional as F
 
-    bench = load_script()
+    bench = load_script("decode_padding_bench")
     g = torch.Generator().manual_seed(0)
     H, D, bs = bench.HKV, bench.HEAD_DIM, bench.BLOCK
     pool = bench.kv_pool(40, 2, torch.float32, g)
@@ -54,7 +46,7 @@ def test_each_row_attends_over_exactly_its_own_keys_both_ways() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_split_attends_as_one_rectangle_and_the_result_says_so(tmp_path: Path, dtype: str) -> None:
-    bench = load_script()
+    bench = load_script("decode_padding_bench")
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([[300, 40, 35, 17], [], [64, 64], [5]]))
     out = tmp_path / "padding.json"
@@ -76,7 +68,7 @@ def test_the_split_attends_as_one_rectangle_and_the_result_says_so(tmp_path: Pat
 
 def test_a_record_file_replays_with_the_bench_that_wrote_it(tmp_path: Path) -> None:
     """`--record` writes {"bench", "env", "steps"}; the replay keeps the bench's summary beside its figures."""
-    bench = load_script()
+    bench = load_script("decode_padding_bench")
     lengths = tmp_path / "record.json"
     lengths.write_text(json.dumps({"bench": {"dtype": "float32", "decode_step_ms": 80.0}, "env": {}, "steps": [[40, 3]]}))
     out = tmp_path / "padding.json"

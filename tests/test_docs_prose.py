@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-spec = importlib.util.spec_from_file_location("docs_prose", ROOT / "scripts" / "docs_prose.py")
-docs_prose = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(docs_prose)
+docs_prose = load_script("docs_prose")
 
 PAGE = """<html><body><nav>menu words here</nav><article class="md-content__inner">
 <h1>Title<a class="headerlink" href="#">¶</a></h1>

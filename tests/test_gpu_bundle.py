@@ -4,14 +4,13 @@ call's room, and the manifest `gpu_env.sh` checks the joined file against must n
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("gpu_bundle", Path(__file__).parents[1] / "scripts" / "gpu_bundle.py")
-gpu_bundle = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_bundle)
+from conftest import load_script
+
+gpu_bundle = load_script("gpu_bundle")
 
 
 @pytest.mark.parametrize("size, first, rest, count", [(100, 45, 60, 2), (100, 100, 60, 1), (200, 30, 60, 4)])

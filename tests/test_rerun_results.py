@@ -3,17 +3,16 @@ the check names each result whose commit differs or whose checkout was dirty."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("rerun_results", ROOT / "scripts" / "rerun_results.py")
-rerun = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rerun)
+rerun = load_script("rerun_results")
 
 
 def test_every_committed_result_has_a_command_that_writes_it_again() -> None:
