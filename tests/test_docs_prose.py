@@ -8,7 +8,6 @@ at most 2,000, the README at most 1,000.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import pytest
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 docs_prose = load_script("docs_prose")
 
 PAGE = """<html><body><nav>menu words here</nav><article class="md-content__inner">
@@ -48,8 +46,7 @@ def test_readme_words_leave_its_code_out(tmp_path: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
                     reason="mkdocs is not installed (the dev extra; a GPU machine's image has none)")
 def test_the_built_site_keeps_the_prose_targets(tmp_path: Path) -> None:
-    import docs_check
-
+    docs_check = load_script("docs_check")
     docs_check.build_site(tmp_path / "site")
     pages = docs_prose.report(tmp_path / "site")
     stage_pages = {p for p in pages if p.startswith("stages/")}
